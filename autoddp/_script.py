@@ -1,0 +1,59 @@
+"""``python -m autoddp._script (PATH | --module NAME) ARGS...``: run a user script in a worker.
+
+Runs the script as ``python PATH ARGS`` / ``python -m NAME ARGS`` would (``sys.argv``,
+``sys.path[0]``, ``__name__ == "__main__"``). A failure is written to torch.distributed.elastic's
+error file, so the ``autoddp`` command can name the failing rank without the user adding
+``@record``, and its traceback is printed without this runner's own frames.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import types
+
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+from autoddp import _worker
+
+
+def _run(argv: list[str]) -> None:
+    if argv[0] == "--module":
+        name, rest = argv[1], argv[2:]
+        sys.argv = [name, *rest]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(name, run_name="__main__", alter_sys=True)
+    else:
+        path, rest = argv[0], argv[1:]
+        sys.argv = [path, *rest]
+        sys.path[0] = os.path.dirname(os.path.abspath(path))
+        runpy.run_path(path, run_name="__main__")
+
+
+def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """Drop the leading frames of this runner and runpy, keeping the user's own."""
+    runner_files = (__file__, runpy.__file__)
+    while tb is not None and (
+        tb.tb_frame.f_code.co_filename in runner_files
+        or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")
+    ):
+        tb = tb.tb_next
+    return tb
+
+
+def main() -> None:
+    _worker.die_with_parent()
+    try:
+        _run(sys.argv[1:])
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        ErrorHandler().record_exception(exc)
+        exc.__traceback__ = _user_frames(exc.__traceback__)
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

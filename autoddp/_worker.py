@@ -1,0 +1,115 @@
+"""What runs inside each worker process: set the process up, run the job, report, leave.
+
+Forked workers enter through ``run_forked`` (called by torch.distributed.elastic's
+multiprocessing); fresh interpreters through ``python -m autoddp._worker_main FOLDER``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import dataclasses
+import datetime
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from autoddp import environment, process_group, transport
+from autoddp.errors import AutoDDPError
+
+
+@dataclasses.dataclass
+class Job:
+    """Everything a worker needs to run the user's function."""
+
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict
+    backend: process_group.Backend
+    timeout: datetime.timedelta | None
+    folder: str
+
+    @property
+    def fn_name(self) -> str:
+        return getattr(self.fn, "__qualname__", repr(self.fn))
+
+
+def run_forked(job: Job) -> None:
+    """Entry point of a forked worker. Returns only on success, as elastic expects."""
+    code = _execute(job)
+    if code:
+        _leave(code, run_atexit=False)  # atexit handlers belong to the parent we were forked from
+
+
+def main() -> None:
+    """Entry point of a fresh worker interpreter (``python -m autoddp._worker_main FOLDER``)."""
+    folder = sys.argv[1]
+    _set_up_process()
+    try:
+        job = transport.load_job(folder)
+    except BaseException as exc:
+        transport.save_error(folder, int(os.environ.get("RANK", "0")), exc)
+        _leave(1)
+    _leave(_execute(job))
+
+
+def _execute(job: Job) -> int:
+    _set_up_process()
+    world = environment.detect().world()
+    try:
+        if job.backend.use_cuda and getattr(torch._C, "_cuda_isInBadFork", lambda: False)():
+            raise AutoDDPError(
+                "CUDA was initialised in the calling process before the workers were forked; "
+                "use start_method='spawn' (or 'auto', which detects this)"
+            )
+        with process_group.joined(world, job.backend, job.timeout) as active:
+            result = job.fn(*job.args, **job.kwargs)
+            if active.rank == 0:
+                transport.save_result(job.folder, result, job.fn_name)
+            del result
+        return 0
+    except BaseException as exc:
+        transport.save_error(job.folder, world.rank, exc)
+        return 1
+
+
+def _set_up_process() -> None:
+    """Signals, parent-death and thread settings every worker needs."""
+    if threading.current_thread() is threading.main_thread():
+        # The caller handles Ctrl-C and stops the workers; SIGTERM must kill at once even
+        # while a collective blocks in C++ (a Python handler would wait for it to return).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+    die_with_parent()
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+
+
+def die_with_parent() -> None:
+    """Have the kernel kill this worker if the launching process dies (no orphans on GPUs)."""
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    parent = os.environ.get("AUTODDP_PARENT_PID", "")
+    if parent.isdigit() and os.getppid() != int(parent):
+        os._exit(1)  # the parent died before prctl took effect
+
+
+def _leave(code: int, run_atexit: bool = True) -> None:
+    """Exit now: flush output and run atexit hooks, but skip the slow interpreter teardown."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed stream must not block the exit
+            stream.flush()
+    if run_atexit:
+        atexit._run_exitfuncs()
+    os._exit(code)

@@ -1,0 +1,140 @@
+"""``@distributed``: run a plain train function once per device and return rank 0's result."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
+
+import wrapt
+
+from autoddp import environment, launch, process_group
+from autoddp.errors import ConfigurationError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The decorator's options, checked when the function is decorated."""
+
+    nproc: int | None = None
+    backend: str | None = None
+    start_method: str = "auto"
+    timeout: float | datetime.timedelta | None = None
+
+    def __post_init__(self) -> None:
+        if self.nproc is not None and (
+            isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1
+        ):
+            raise ConfigurationError(
+                f"nproc={self.nproc!r} is not a positive whole number of processes; pass e.g. "
+                "nproc=2, or leave it unset for one process per visible GPU (1 without GPUs)"
+            )
+        process_group.resolve_backend(self.backend, gpus=1)  # the name only; GPUs are checked per call
+        if self.start_method not in launch.START_METHODS:
+            raise ConfigurationError(
+                f"unknown start_method {self.start_method!r}: use 'auto' (default), 'fork' or 'spawn'"
+            )
+        process_group.as_timeout(self.timeout)
+
+    def process_count(self, backend: process_group.Backend, gpus: int) -> int:
+        if self.nproc is None:
+            return gpus if backend.use_cuda else 1
+        if backend.use_cuda and self.nproc > gpus:
+            raise ConfigurationError(
+                f"nproc={self.nproc} but only {gpus} GPU(s) are visible; use nproc<={gpus}, "
+                "or backend='gloo' to run CPU processes"
+            )
+        return self.nproc
+
+
+class DistributedFunction(wrapt.FunctionWrapper):
+    """The decorated function: keeps the signature and docstring, and pickles by value."""
+
+    def __init__(self, wrapped: Callable[..., Any], options: Options) -> None:
+        super().__init__(wrapped, functools.partial(_call, options))
+        self._self_options = options
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        return (_decorate, (self.__wrapped__, self._self_options))
+
+
+@overload
+def distributed(fn: F, /) -> F: ...
+@overload
+def distributed(
+    *,
+    nproc: int | None = None,
+    backend: str | None = None,
+    start_method: str = "auto",
+    timeout: float | datetime.timedelta | None = None,
+) -> Callable[[F], F]: ...
+def distributed(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    nproc: int | None = None,
+    backend: str | None = None,
+    start_method: str = "auto",
+    timeout: float | datetime.timedelta | None = None,
+) -> Any:
+    """Make ``fn`` run once per device, each process in a ready process group.
+
+    Use bare (``@distributed``) or with options (``@distributed(nproc=2)``). Calling the
+    decorated function from an ordinary process starts ``nproc`` workers (default: one per
+    visible GPU, 1 without GPUs), runs only ``fn`` in each, and returns rank 0's result
+    (tensors on the CPU, models unwrapped). Inside an existing distributed run (torchrun, the
+    ``autoddp`` command, another decorated call) it runs in place. An exception in any worker
+    stops them all and is re-raised here as the same type, naming the rank.
+
+    ``backend``: ``"auto"`` (NCCL on GPUs, gloo on CPU), ``"nccl"`` or ``"gloo"``.
+    ``start_method``: ``"auto"`` (fork where CUDA is untouched, fresh interpreters otherwise),
+    ``"fork"`` or ``"spawn"`` (fresh interpreters that receive the function by value; unlike
+    multiprocessing's spawn, never re-import ``__main__``). ``timeout``: seconds a collective
+    may wait before failing (torch's default when unset).
+    """
+    options = Options(nproc=nproc, backend=backend, start_method=start_method, timeout=timeout)
+    if fn is None:
+        return functools.partial(_decorate, options=options)
+    return _decorate(fn, options)
+
+
+def _decorate(fn: Callable[..., Any], options: Options) -> DistributedFunction:
+    if not callable(fn):
+        raise ConfigurationError(
+            f"@distributed decorates a function, not {type(fn).__name__}; "
+            "to pass options write @distributed(nproc=2)"
+        )
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn) or inspect.iscoroutinefunction(fn):
+        kind = "an async function" if inspect.iscoroutinefunction(fn) else "a generator function"
+        raise ConfigurationError(
+            f"@distributed cannot run {kind} ({fn.__qualname__}): its body would run after the "
+            "workers are gone. Decorate a plain function that returns its results instead."
+        )
+    return DistributedFunction(fn, options)
+
+
+def _call(options: Options, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    env = environment.detect()
+    gpus = environment.gpu_count()
+    backend = process_group.resolve_backend(options.backend, gpus)
+    timeout = process_group.as_timeout(options.timeout)
+    if env.launched:
+        with process_group.joined(env.world(), backend, timeout):
+            return wrapped(*args, **kwargs)
+    nproc = options.process_count(backend, gpus)
+    if nproc == 1:
+        return wrapped(*args, **kwargs)
+    return launch.launch(
+        wrapped,
+        args,
+        kwargs,
+        nproc=nproc,
+        backend=backend,
+        start_method=options.start_method,
+        timeout=timeout,
+    )

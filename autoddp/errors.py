@@ -1,0 +1,63 @@
+"""Exception classes raised by autoddp; each message says what to do about it."""
+
+from __future__ import annotations
+
+
+class AutoDDPError(Exception):
+    """Base class of every error autoddp raises itself."""
+
+
+class ConfigurationError(AutoDDPError, ValueError):
+    """A bad option, argument or environment: raised before any process starts."""
+
+
+class SerializationError(AutoDDPError):
+    """A function, argument or return value could not be sent between processes."""
+
+
+class WorkerError(AutoDDPError):
+    """A worker process died without a Python exception (killed, ``os._exit``, crash).
+
+    ``rank`` is the global rank of the worker, ``exitcode`` its exit status (negative for a
+    signal, as in :mod:`subprocess`), ``signal`` the signal name when it was killed by one.
+    """
+
+    def __init__(self, message: str, *, rank: int, exitcode: int | None, signal: str | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.signal = signal
+
+    def __reduce__(self):
+        return (_rebuild_worker_error, (self.args[0], self.rank, self.exitcode, self.signal))
+
+
+def _rebuild_worker_error(message: str, rank: int, exitcode: int | None, signal: str | None) -> WorkerError:
+    return WorkerError(message, rank=rank, exitcode=exitcode, signal=signal)
+
+
+class RemoteError(AutoDDPError):
+    """A worker raised an exception that could not be re-created in the caller as itself.
+
+    ``type_name`` is the qualified name of the original exception type, ``rank`` the rank
+    that raised it; the original traceback is in the message.
+    """
+
+    def __init__(self, message: str, *, rank: int, type_name: str):
+        super().__init__(message)
+        self.rank = rank
+        self.type_name = type_name
+
+    def __reduce__(self):
+        return (_rebuild_remote_error, (self.args[0], self.rank, self.type_name))
+
+
+def _rebuild_remote_error(message: str, rank: int, type_name: str) -> RemoteError:
+    return RemoteError(message, rank=rank, type_name=type_name)
+
+
+class RemoteTraceback(Exception):
+    """Carries the formatted traceback of a worker; attached as ``__cause__`` of re-raised errors."""
+
+    def __str__(self) -> str:
+        return self.args[0] if self.args else ""

@@ -1,0 +1,248 @@
+"""Launching: start one worker per device through torch.distributed.elastic, supervise, report.
+
+The caller hosts the rendezvous store on a port the OS picks (so two jobs can never race for
+one), starts the workers by fork where that is safe and as fresh interpreters otherwise, waits
+until all succeed or one fails (then stops the rest), and hands back rank 0's result or the
+first failure as the original exception.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from autoddp import _worker, environment, transport
+from autoddp.errors import ConfigurationError, WorkerError
+from autoddp.process_group import Backend
+
+START_METHODS = ("auto", "fork", "spawn")
+_POLL_SECONDS = 0.05
+_STOP_GRACE_SECONDS = 5
+
+
+def choose_start_method(requested: str, backend: Backend) -> tuple[str, str]:
+    """Resolve ``start_method`` to ``"fork"`` or ``"spawn"``, with the reason for the choice."""
+    if requested not in START_METHODS:
+        raise ConfigurationError(
+            f"unknown start_method {requested!r}: use 'auto' (default), 'fork' or 'spawn'"
+        )
+    fork_ok, why = _fork_is_safe()
+    if requested == "fork":
+        if not fork_ok:
+            raise ConfigurationError(f"start_method='fork' cannot be used here: {why}; use 'spawn' or 'auto'")
+        return "fork", "asked for"
+    if requested == "spawn":
+        return "spawn", "asked for"
+    return ("fork", why) if fork_ok else ("spawn", why)
+
+
+def _fork_is_safe() -> tuple[bool, str]:
+    if not sys.platform.startswith("linux"):
+        return False, "fork is used on Linux only"
+    if environment.gpu_count() > 0 and (torch.cuda.is_initialized() or _cuda_poisons_fork()):
+        return False, (
+            "CUDA was already initialised in this process (for example by "
+            "torch.cuda.is_available()), and forked workers could not use it"
+        )
+    return True, "CUDA is untouched in this process"
+
+
+def _cuda_poisons_fork() -> bool:
+    """Ask a throw-away forked child whether torch marked it as a bad (post-CUDA) fork."""
+    in_bad_fork = getattr(torch._C, "_cuda_isInBadFork", None)
+    if in_bad_fork is None:
+        return False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork with threads
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        os._exit(1 if in_bad_fork() else 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) != 0
+
+
+def worker_envs(nproc: int, port: int, run_id: str) -> dict[int, dict[str, str]]:
+    """The variables each worker gets, named as torchrun names them."""
+    common = {
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": environment.LOOPBACK,
+        "MASTER_PORT": str(port),
+        # The caller hosts the store: rank 0 connects to it instead of binding the port.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "AUTODDP_RUN_ID": run_id,
+        "AUTODDP_PARENT_PID": str(os.getpid()),
+    }
+    if "OMP_NUM_THREADS" not in os.environ:
+        common["OMP_NUM_THREADS"] = str(max(1, environment.cpu_count() // nproc))
+    return {r: {**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)}
+
+
+def launch(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    *,
+    nproc: int,
+    backend: Backend,
+    start_method: str,
+    timeout: Any,
+) -> Any:
+    """Run ``fn(*args, **kwargs)`` in ``nproc`` new workers; return rank 0's result."""
+    from torch.distributed import TCPStore
+
+    method, _reason = choose_start_method(start_method, backend)
+    with transport.run_folder() as folder:
+        job = _worker.Job(fn, args, kwargs, backend, timeout, folder)
+        if method == "spawn":
+            transport.save_job(folder, transport.dumps_job(job, fn, args, kwargs))
+            entry: Callable[..., Any] | str = sys.executable
+            entry_args = {r: ("-m", "autoddp._worker_main", folder) for r in range(nproc)}
+        else:
+            entry = _worker.run_forked
+            entry_args = {r: (job,) for r in range(nproc)}
+        store = TCPStore(environment.LOOPBACK, 0, nproc, is_master=True, wait_for_workers=False)
+        envs = worker_envs(nproc, store.port, uuid.uuid4().hex)
+        context, result = _supervise(entry, entry_args, envs, method)
+        del store
+        if result.is_failed():
+            raise _first_failure(context, result, folder, nproc)
+        return transport.load_result(folder)
+
+
+def _supervise(entry: Any, entry_args: dict, envs: dict, method: str) -> Any:
+    """Start the workers with elastic's multiprocessing and wait for all to end or one to fail."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    with _caller_signal_handlers_kept(), elastic_logs_quiet():
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()  # forked children must not inherit unflushed output
+        context = start_processes(
+            name="autoddp",
+            entrypoint=entry,
+            args=entry_args,
+            envs=envs,
+            logs_specs=DefaultLogsSpecs(log_dir=os.devnull),
+            start_method="fork" if method == "fork" else "spawn",
+        )
+        try:
+            return context, context.wait(period=_POLL_SECONDS)
+        except SignalException as exc:
+            context.close(timeout=_STOP_GRACE_SECONDS)
+            stopped_by = exc.sigval
+        except BaseException:
+            context.close(timeout=_STOP_GRACE_SECONDS)
+            raise
+    # Handlers are the caller's again: act on the signal as the caller's process would have.
+    if stopped_by == signal.SIGINT:
+        raise KeyboardInterrupt
+    signal.raise_signal(stopped_by)
+    raise WorkerError(f"workers stopped by {stopped_by.name}", rank=-1, exitcode=None, signal=stopped_by.name)
+
+
+@contextlib.contextmanager
+def _caller_signal_handlers_kept() -> Iterator[None]:
+    """Elastic installs its own handlers while workers run; give the caller's back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    names = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+    saved = {sig: signal.getsignal(sig) for sig in (getattr(signal, n) for n in names if hasattr(signal, n))}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def elastic_logs_quiet() -> Iterator[None]:
+    """Elastic logs every stop and failure; autoddp reports failures itself."""
+    loggers = [
+        logging.getLogger(name)
+        for name in list(logging.Logger.manager.loggerDict)
+        if name.startswith("torch.distributed.elastic")
+    ]
+    previous = [logger.disabled for logger in loggers]
+    for logger in loggers:
+        logger.disabled = True
+    try:
+        yield
+    finally:
+        for logger, was in zip(loggers, previous, strict=True):
+            logger.disabled = was
+
+
+def _exit_codes(context: Any) -> dict[int, int | None]:
+    """Exit status of every worker of an ended elastic context, by local rank."""
+    if hasattr(context, "subprocess_handlers"):  # fresh interpreters
+        return {r: h.proc.poll() for r, h in context.subprocess_handlers.items()}
+    processes = context._pc.processes if getattr(context, "_pc", None) else []  # forked workers
+    return {r: p.exitcode for r, p in enumerate(processes)}
+
+
+def _first_failure(context: Any, result: Any, folder: str, world_size: int) -> BaseException:
+    """The exception to raise in the caller: the root-cause failure, others listed briefly.
+
+    A worker's own exception comes first unless it only reports a lost connection to a peer
+    (a consequence); a worker that died without an exception counts as a cause. Workers that
+    autoddp itself stopped afterwards (SIGTERM) are not failures.
+    """
+    reports = transport.load_errors(folder)
+    codes = _exit_codes(context)
+    for failure in result.failures.values():
+        codes.setdefault(failure.local_rank, failure.exitcode)
+    # (is a consequence of another failure, when, rank, exception, one-line summary)
+    entries: list[tuple[bool, float, int, BaseException, str]] = []
+    for rank, report in reports.items():
+        entries.append(
+            (report.is_consequence, report.time, rank, report.rebuild(world_size), report.summary())
+        )
+    detected_at = time.time()
+    for rank, code in sorted(codes.items()):
+        if rank not in reports and code not in (0, None, -signal.SIGTERM):
+            error = _death_error(rank, code, context.pids().get(rank), world_size)
+            entries.append((False, detected_at, rank, error, str(error)))
+    if not entries:  # only stopped workers: report the one elastic saw first
+        first = min(result.failures.values(), key=lambda f: f.timestamp)
+        error = _death_error(first.local_rank, first.exitcode, first.pid, world_size)
+        entries.append((False, detected_at, first.local_rank, error, str(error)))
+    entries.sort(key=lambda e: (e[0], e[1]))
+    lead = entries[0][3]
+    others = [f"rank {rank}: {summary}" for _, _, rank, _, summary in entries[1:]]
+    if others and hasattr(lead, "add_note"):
+        lead.add_note("autoddp: other ranks also failed: " + "; ".join(others))
+    return lead
+
+
+def _death_error(rank: int, code: int | None, pid: int | None, world_size: int) -> WorkerError:
+    where = f"rank {rank} of {world_size} (pid {pid})"
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name
+        hint = {
+            "SIGKILL": " (the kernel's out-of-memory killer sends SIGKILL: check memory use and `dmesg`)",
+            "SIGSEGV": " (a crash in native code)",
+            "SIGBUS": " (a crash in native code; in containers, often a too small /dev/shm)",
+            "SIGABRT": " (aborted by native code)",
+        }.get(name, "")
+        return WorkerError(f"{where} was killed by {name}{hint}", rank=rank, exitcode=code, signal=name)
+    return WorkerError(
+        f"{where} exited with code {code} without raising a Python exception "
+        "(os._exit or sys.exit in a worker, or a native library exiting)",
+        rank=rank,
+        exitcode=code,
+    )

@@ -1,0 +1,95 @@
+"""Process-group lifecycle: pick the backend, pin the GPU, join the group, leave it cleanly."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import gc
+from collections.abc import Iterator
+
+import torch
+
+from autoddp.errors import ConfigurationError
+from autoddp.world import CURRENT, World
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """The communication backend of a run and whether its processes compute on CUDA."""
+
+    name: str  # what init_process_group receives
+    use_cuda: bool
+
+    @property
+    def label(self) -> str:
+        return "nccl+gloo" if self.use_cuda else self.name
+
+
+def resolve_backend(requested: str | None, gpus: int) -> Backend:
+    """Turn the user's ``backend=`` choice into a backend, checking it against the GPUs present."""
+    choice = "auto" if requested is None else str(requested).lower()
+    if choice not in BACKENDS:
+        raise ConfigurationError(
+            f"unknown backend {requested!r}: use one of {', '.join(map(repr, BACKENDS))} "
+            "(or leave it unset for NCCL on GPUs and gloo on CPU)"
+        )
+    if choice == "nccl" and gpus == 0:
+        raise ConfigurationError(
+            "backend='nccl' needs CUDA GPUs, and none is visible here; use backend='gloo' "
+            "or leave backend unset to pick gloo on CPU"
+        )
+    if choice == "gloo" or gpus == 0:
+        return Backend("gloo", use_cuda=False)
+    # NCCL for CUDA tensors, gloo for CPU tensors (object collectives, CPU metrics).
+    return Backend("cpu:gloo,cuda:nccl", use_cuda=True)
+
+
+def as_timeout(timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:
+    """Normalise a ``timeout=`` option (seconds or timedelta) for init_process_group."""
+    if timeout is None or isinstance(timeout, datetime.timedelta):
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ConfigurationError(
+            f"timeout={timeout!r} is not a positive number of seconds (or a datetime.timedelta)"
+        )
+    return datetime.timedelta(seconds=float(timeout))
+
+
+@contextlib.contextmanager
+def joined(world: World, backend: Backend, timeout: datetime.timedelta | None = None) -> Iterator[World]:
+    """Join the default process group for ``world`` (or reuse one the user made) for the block.
+
+    The GPU is pinned before anything touches CUDA. A group created here is destroyed when the
+    block ends normally; garbage is collected first so DDP wrappers release the group before it
+    goes (freeing them afterwards deadlocks gloo). After an error the group is left to the
+    process's exit: the other ranks may still be inside a collective with it.
+    """
+    import torch.distributed as dist
+
+    device = f"cuda:{world.local_rank}" if backend.use_cuda else "cpu"
+    if backend.use_cuda:
+        torch.cuda.set_device(world.local_rank)
+    created = False
+    if world.world_size > 1 and not dist.is_initialized():
+        kwargs = {}
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        if backend.use_cuda:
+            kwargs["device_id"] = torch.device(device)
+        dist.init_process_group(
+            backend.name,
+            init_method="env://",
+            rank=world.rank,
+            world_size=world.world_size,
+            **kwargs,
+        )
+        created = True
+    active = dataclasses.replace(world, device=device, backend=backend.label)
+    with CURRENT.joined(active):
+        yield active
+    if created:
+        gc.collect()
+        dist.destroy_process_group()

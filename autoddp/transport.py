@@ -1,0 +1,243 @@
+"""What travels between the caller and its workers: the job, rank 0's result, error reports.
+
+Everything goes through one private run folder (mode 0700, files 0600, removed at the end),
+pickled with cloudpickle so functions defined in ``__main__``, closures and notebook cells
+travel by value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import cloudpickle
+import torch
+
+from autoddp.errors import RemoteError, RemoteTraceback, SerializationError
+
+_PAYLOAD = "job.pkl"
+_PATH = "sys_path.json"
+_RESULT = "result.pkl"
+
+
+@contextlib.contextmanager
+def run_folder() -> Iterator[str]:
+    """A private temporary folder for one launch, removed afterwards."""
+    path = tempfile.mkdtemp(prefix="autoddp-")  # mode 0700
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def write_private(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically, readable by this user only."""
+    partial = f"{path}.{os.getpid()}.partial"
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+    os.replace(partial, path)
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as handle:
+        return handle.read()
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, but code sent by value keeps its file name, so worker tracebacks show source."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is types.CodeType:
+            rebuild, args = self.dispatch_table[types.CodeType](obj)[:2]
+            return rebuild, tuple(obj.co_filename if arg == "<dynamic-code>" else arg for arg in args)
+        return super().reducer_override(obj)
+
+
+def dumps(obj: Any) -> bytes:
+    """Pickle ``obj``, sending functions and classes that cannot be imported by value."""
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
+# --- the job -------------------------------------------------------------------------------
+
+
+def dumps_job(job: Any, fn: Any, args: tuple, kwargs: dict) -> bytes:
+    """Pickle ``job`` by value; if that fails, name the function or argument at fault."""
+    try:
+        return dumps(job)
+    except Exception as exc:
+        culprit = _find_unpicklable(fn, args, kwargs) or "the job"
+        raise SerializationError(
+            f"{culprit} cannot be sent to fresh worker processes ({type(exc).__name__}: {exc}). "
+            "Create it inside the decorated function instead, or pass something picklable "
+            "(a path, a config); start_method='fork' avoids pickling where CUDA is not yet in use."
+        ) from exc
+
+
+def _find_unpicklable(fn: Any, args: tuple, kwargs: dict) -> str | None:
+    candidates = [(f"the function {getattr(fn, '__qualname__', fn)!r}", fn)]
+    candidates += [(f"positional argument {i} ({type(a).__name__})", a) for i, a in enumerate(args)]
+    candidates += [(f"argument {k!r} ({type(v).__name__})", v) for k, v in kwargs.items()]
+    for label, value in candidates:
+        try:
+            dumps(value)
+        except Exception:
+            return label
+    return None
+
+
+def save_job(folder: str, payload: bytes) -> None:
+    write_private(os.path.join(folder, _PATH), json.dumps(sys.path).encode())
+    write_private(os.path.join(folder, _PAYLOAD), payload)
+
+
+def load_job(folder: str) -> Any:
+    """Load the job in a fresh worker, first giving it the caller's import path."""
+    sys.path[:] = json.loads(_read(os.path.join(folder, _PATH)))
+    return pickle.loads(_read(os.path.join(folder, _PAYLOAD)))
+
+
+# --- rank 0's return value -----------------------------------------------------------------
+
+
+def portable(value: Any) -> Any:
+    """A copy of ``value`` fit for the caller: tensors detached on the CPU, models unwrapped."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, torch.nn.Module):
+        from autoddp.model import unwrap
+
+        return unwrap(value).cpu()
+    if isinstance(value, dict):
+        try:
+            return type(value)((k, portable(v)) for k, v in value.items())
+        except TypeError:  # a mapping type with its own constructor: leave it as it is
+            return value
+    if isinstance(value, list) and type(value) is list:
+        return [portable(v) for v in value]
+    if isinstance(value, tuple):
+        items = [portable(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
+
+
+def save_result(folder: str, value: Any, fn_name: str) -> None:
+    try:
+        data = dumps(portable(value))
+    except Exception as exc:
+        raise SerializationError(
+            f"the return value of {fn_name}() ({type(value).__name__}) cannot be sent back to the "
+            f"caller ({type(exc).__name__}: {exc}); return something picklable, such as tensors, "
+            "numbers or a state_dict"
+        ) from exc
+    write_private(os.path.join(folder, _RESULT), data)
+
+
+def load_result(folder: str) -> Any:
+    path = os.path.join(folder, _RESULT)
+    if not os.path.exists(path):
+        return None
+    return pickle.loads(_read(path))
+
+
+# --- errors --------------------------------------------------------------------------------
+
+
+#: Messages that mark an error as a consequence of another rank dying mid-collective.
+_CONSEQUENCE_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Socket Timeout",
+    "NCCL communicator was aborted",
+)
+
+
+@dataclasses.dataclass
+class ErrorReport:
+    """What a worker tells the caller about the exception that ended it."""
+
+    rank: int
+    time: float
+    type_name: str
+    message: str
+    traceback: str
+    pickled: bytes | None
+
+    @property
+    def is_consequence(self) -> bool:
+        """True for errors caused by a peer failing (a collective losing its connection)."""
+        return any(marker in self.message for marker in _CONSEQUENCE_MARKERS)
+
+    def summary(self) -> str:
+        first_line = self.message.splitlines()[0] if self.message else ""
+        return f"{self.type_name}: {first_line}" if first_line else self.type_name
+
+    def rebuild(self, world_size: int) -> BaseException:
+        """The original exception, marked with its rank and carrying the worker's traceback."""
+        exc: BaseException | None = None
+        if self.pickled is not None:
+            try:
+                exc = pickle.loads(self.pickled)
+            except Exception:
+                exc = None
+        tag = f"rank {self.rank} of {world_size}"
+        if not isinstance(exc, BaseException):
+            return RemoteError(
+                f"[{tag}] {self.summary()}\n\n{self.traceback}", rank=self.rank, type_name=self.type_name
+            )
+        if len(exc.args) == 1 and isinstance(exc.args[0], str):
+            exc.args = (f"[{tag}] {exc.args[0]}",)
+        with contextlib.suppress(AttributeError, TypeError):
+            exc.autoddp_rank = self.rank  # type: ignore[attr-defined]
+        exc.__cause__ = RemoteTraceback(f"\n\nTraceback of {tag} (the worker that raised):\n{self.traceback}")
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"autoddp: raised on {tag}; the worker's traceback is shown above.")
+        return exc
+
+
+def save_error(folder: str, rank: int, exc: BaseException) -> None:
+    """Record ``exc`` for the caller (called in the worker, before it exits)."""
+    try:
+        pickled = dumps(exc)
+        pickle.loads(pickled)
+    except Exception:
+        pickled = None
+    report = ErrorReport(
+        rank=rank,
+        time=time.time(),
+        type_name=_qualified_name(type(exc)),
+        message=str(exc),
+        traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        pickled=pickled,
+    )
+    write_private(os.path.join(folder, f"error-{rank}.pkl"), pickle.dumps(report))
+
+
+def load_errors(folder: str) -> dict[int, ErrorReport]:
+    reports = {}
+    for name in os.listdir(folder):
+        if name.startswith("error-") and name.endswith(".pkl"):
+            report = pickle.loads(_read(os.path.join(folder, name)))
+            reports[report.rank] = report
+    return reports
+
+
+def _qualified_name(cls: type) -> str:
+    module = cls.__module__
+    return cls.__qualname__ if module in ("builtins", "__main__") else f"{module}.{cls.__qualname__}"

@@ -1,0 +1,65 @@
+"""Shared test helpers: every test that starts processes must leave none behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes():
+    """Fail a test that leaves any child process of this test process alive."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+    deadline = time.monotonic() + 10
+    while True:
+        alive = [
+            p
+            for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        ]
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    for p in alive:
+        p.kill()
+    assert not alive, f"processes left behind: {[(p.pid, p.cmdline()) for p in alive]}"
+
+
+@pytest.fixture(autouse=True)
+def _clean_launcher_env(monkeypatch):
+    """Tests start as plain processes, whatever launched pytest."""
+    for name in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "AUTODDP_RUN_ID",
+        "TORCHELASTIC_RUN_ID",
+    ):
+        monkeypatch.delenv(name, raising=False)
+
+
+def run_python(
+    args: list[str], *, cwd: str | os.PathLike | None = None, stdin: str | None = None, timeout: float = 90
+) -> subprocess.CompletedProcess:
+    """Run ``python ARGS`` in a fresh interpreter and capture its output."""
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def write(path, text: str):
+    path.write_text(textwrap.dedent(text))
+    return path

@@ -1,0 +1,125 @@
+"""The autoddp command: real workers through torch.distributed.elastic."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from conftest import write
+
+TORCHRUN_STYLE = """
+    import os, sys
+    import torch, torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    print(f"rank={dist.get_rank()} world={dist.get_world_size()} local={os.environ['LOCAL_RANK']} "
+          f"sum={t.item()} args={sys.argv[1:]} path0={sys.path[0]}", flush=True)
+    if "--fail" in sys.argv and dist.get_rank() == 1:
+        raise ValueError("bad config on rank 1")
+    dist.destroy_process_group()
+"""
+
+
+def autoddp_cli(*args: str, cwd=None, timeout: float = 90) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "autoddp.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_torchrun_style_script_with_arguments(tmp_path):
+    script = write(tmp_path / "ddp.py", TORCHRUN_STYLE)
+    proc = autoddp_cli("-n", "2", str(script), "--lr", "0.1", "-x", "--nproc", "9", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank="))
+    expected_args = "['--lr', '0.1', '-x', '--nproc', '9']"
+    assert lines == [
+        f"rank=0 world=2 local=0 sum=3.0 args={expected_args} path0={tmp_path}",
+        f"rank=1 world=2 local=1 sum=3.0 args={expected_args} path0={tmp_path}",
+    ]
+
+
+def test_failing_script_exits_nonzero_with_its_traceback(tmp_path):
+    script = write(tmp_path / "ddp.py", TORCHRUN_STYLE)
+    proc = autoddp_cli("--nproc-per-node=2", str(script), "--fail", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert 'raise ValueError("bad config on rank 1")' in proc.stderr
+    assert "autoddp: rank 1 of 2" in proc.stderr and "ValueError: bad config on rank 1" in proc.stderr
+    assert "autoddp/_script.py" not in proc.stderr  # the runner's own frames are hidden
+
+
+def test_module_mode(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    write(pkg / "job.py", TORCHRUN_STYLE)
+    proc = autoddp_cli("-n", "2", "-m", "pkg.job", "--flag", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("args=['--flag']") == 2
+
+
+def test_decorated_function_runs_in_place_under_the_command(tmp_path):
+    script = write(
+        tmp_path / "deco.py",
+        """
+        import os
+        import autoddp
+
+        @autoddp.distributed(nproc=2)
+        def train():
+            return autoddp.rank(), autoddp.world_size(), os.getpid()
+
+        rank, world, pid = train()
+        print(f"in-place={pid == os.getpid()} rank={rank} world={world}", flush=True)
+        """,
+    )
+    proc = autoddp_cli("-n", "2", str(script), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == [
+        "in-place=True rank=0 world=2",
+        "in-place=True rank=1 world=2",
+    ]
+
+
+def test_missing_script_is_a_one_line_usage_error(tmp_path):
+    proc = autoddp_cli("missing.py", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"autoddp: error: no such script: 'missing.py' (looked in {tmp_path})"
+    ]
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path):
+    (tmp_path / "folder").mkdir()
+    for args, fragment in [
+        ((), "no script given"),
+        (("folder",), "is a folder without __main__.py"),
+        (("-m", "no_such_module_xyz"), "no module named 'no_such_module_xyz'"),
+        (("-n", "0", "x.py"), "is not a positive whole number"),
+    ]:
+        if args and args[-1] == "x.py":
+            (tmp_path / "x.py").write_text("")
+        proc = autoddp_cli(*args, cwd=tmp_path)
+        assert proc.returncode == 2, (args, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and fragment in lines[0], (args, proc.stderr)
+
+
+def test_help_documents_every_flag_with_its_default():
+    proc = autoddp_cli("--help")
+    assert proc.returncode == 0
+    for flag in ("--nproc-per-node", "--module", "--max-restarts", "--monitor-interval", "--standalone"):
+        assert flag in proc.stdout
+    assert proc.stdout.count("[default:") >= 5
+
+
+def test_console_script_is_installed():
+    exe = os.path.join(os.path.dirname(sys.executable), "autoddp")
+    proc = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "autoddp" in proc.stdout
