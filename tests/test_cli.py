@@ -15,8 +15,10 @@ TORCHRUN_STYLE = """
     dist.init_process_group("gloo")
     t = torch.ones(1) * (dist.get_rank() + 1)
     dist.all_reduce(t)
-    print(f"rank={dist.get_rank()} world={dist.get_world_size()} local={os.environ['LOCAL_RANK']} "
-          f"sum={t.item()} args={sys.argv[1:]} path0={sys.path[0]}", flush=True)
+    # one write per line: the ranks share the pipe, and print() writes the newline separately
+    sys.stdout.write(f"rank={dist.get_rank()} world={dist.get_world_size()} local={os.environ['LOCAL_RANK']} "
+                     f"sum={t.item()} args={sys.argv[1:]} path0={sys.path[0]}\\n")
+    sys.stdout.flush()
     if "--fail" in sys.argv and dist.get_rank() == 1:
         raise ValueError("bad config on rank 1")
     dist.destroy_process_group()
@@ -68,7 +70,7 @@ def test_decorated_function_runs_in_place_under_the_command(tmp_path):
     script = write(
         tmp_path / "deco.py",
         """
-        import os
+        import os, sys
         import autoddp
 
         @autoddp.distributed(nproc=2)
@@ -76,7 +78,7 @@ def test_decorated_function_runs_in_place_under_the_command(tmp_path):
             return autoddp.rank(), autoddp.world_size(), os.getpid()
 
         rank, world, pid = train()
-        print(f"in-place={pid == os.getpid()} rank={rank} world={world}", flush=True)
+        sys.stdout.write(f"in-place={pid == os.getpid()} rank={rank} world={world}\\n")
         """,
     )
     proc = autoddp_cli("-n", "2", str(script), cwd=tmp_path)
