@@ -9,6 +9,7 @@ from autoddp.errors import (
     WorkerError,
 )
 from autoddp.model import unwrap
+from autoddp.prepare import prepare
 from autoddp.world import barrier, device, is_main, local_rank, rank, world_size
 
 __version__ = "0.1.0"
@@ -24,6 +25,7 @@ __all__ = [
     "distributed",
     "is_main",
     "local_rank",
+    "prepare",
     "rank",
     "unwrap",
     "world_size",

@@ -22,6 +22,8 @@ import torch
 
 from autoddp import environment, process_group, transport
 from autoddp.errors import AutoDDPError
+from autoddp.prepare import prepare
+from autoddp.world import RunOptions
 
 
 @dataclasses.dataclass
@@ -33,6 +35,7 @@ class Job:
     kwargs: dict
     backend: process_group.Backend
     timeout: datetime.timedelta | None
+    options: RunOptions
     folder: str
 
     @property
@@ -68,8 +71,10 @@ def _execute(job: Job) -> int:
                 "CUDA was initialised in the calling process before the workers were forked; "
                 "use start_method='spawn' (or 'auto', which detects this)"
             )
-        with process_group.joined(world, job.backend, job.timeout) as active:
-            result = job.fn(*job.args, **job.kwargs)
+        with process_group.joined(world, job.backend, job.timeout, job.options) as active:
+            args, kwargs = prepare(job.args), prepare(job.kwargs)
+            result = job.fn(*args, **kwargs)
+            del args, kwargs
             if active.rank == 0:
                 transport.save_result(job.folder, result, job.fn_name)
             del result

@@ -6,13 +6,15 @@ import dataclasses
 import datetime
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, overload
 
 import wrapt
 
 from autoddp import environment, launch, process_group
 from autoddp.errors import ConfigurationError
+from autoddp.prepare import prepare
+from autoddp.world import RunOptions
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -25,6 +27,8 @@ class Options:
     backend: str | None = None
     start_method: str = "auto"
     timeout: float | datetime.timedelta | None = None
+    ddp: Mapping[str, Any] | None = None
+    sync_batchnorm: bool = False
 
     def __post_init__(self) -> None:
         if self.nproc is not None and (
@@ -40,6 +44,23 @@ class Options:
                 f"unknown start_method {self.start_method!r}: use 'auto' (default), 'fork' or 'spawn'"
             )
         process_group.as_timeout(self.timeout)
+        if self.ddp is not None:
+            if not isinstance(self.ddp, Mapping) or not all(isinstance(k, str) for k in self.ddp):
+                raise ConfigurationError(
+                    f"ddp={self.ddp!r} must be a dict of DistributedDataParallel keyword arguments, "
+                    'e.g. ddp={"find_unused_parameters": True}'
+                )
+            reserved = sorted(set(self.ddp) & {"module", "device_ids", "output_device", "process_group"})
+            if reserved:
+                raise ConfigurationError(
+                    f"ddp= may not set {', '.join(reserved)}: autoddp sets them for each process; remove them"
+                )
+        if not isinstance(self.sync_batchnorm, bool):
+            raise ConfigurationError(f"sync_batchnorm={self.sync_batchnorm!r} must be True or False")
+
+    @property
+    def run_options(self) -> RunOptions:
+        return RunOptions(ddp_kwargs=dict(self.ddp or {}), sync_batchnorm=self.sync_batchnorm)
 
     def process_count(self, backend: process_group.Backend, gpus: int) -> int:
         if self.nproc is None:
@@ -72,6 +93,8 @@ def distributed(
     backend: str | None = None,
     start_method: str = "auto",
     timeout: float | datetime.timedelta | None = None,
+    ddp: Mapping[str, Any] | None = None,
+    sync_batchnorm: bool = False,
 ) -> Callable[[F], F]: ...
 def distributed(
     fn: Callable[..., Any] | None = None,
@@ -81,6 +104,8 @@ def distributed(
     backend: str | None = None,
     start_method: str = "auto",
     timeout: float | datetime.timedelta | None = None,
+    ddp: Mapping[str, Any] | None = None,
+    sync_batchnorm: bool = False,
 ) -> Any:
     """Make ``fn`` run once per device, each process in a ready process group.
 
@@ -96,8 +121,20 @@ def distributed(
     ``"fork"`` or ``"spawn"`` (fresh interpreters that receive the function by value; unlike
     multiprocessing's spawn, never re-import ``__main__``). ``timeout``: seconds a collective
     may wait before failing (torch's default when unset).
+
+    Models and DataLoaders among the arguments are prepared (see ``autoddp.prepare``): models
+    are moved to the process's device and wrapped in DDP (``ddp=`` passes keyword arguments
+    to DistributedDataParallel; ``sync_batchnorm=True`` converts BatchNorm to SyncBatchNorm),
+    loaders get a DistributedSampler whose epoch advances by itself.
     """
-    options = Options(nproc=nproc, backend=backend, start_method=start_method, timeout=timeout)
+    options = Options(
+        nproc=nproc,
+        backend=backend,
+        start_method=start_method,
+        timeout=timeout,
+        ddp=ddp,
+        sync_batchnorm=sync_batchnorm,
+    )
     if fn is None:
         return functools.partial(_decorate, options=options)
     return _decorate(fn, options)
@@ -124,11 +161,11 @@ def _call(options: Options, wrapped: Callable[..., Any], instance: Any, args: tu
     backend = process_group.resolve_backend(options.backend, gpus)
     timeout = process_group.as_timeout(options.timeout)
     if env.launched:
-        with process_group.joined(env.world(), backend, timeout):
-            return wrapped(*args, **kwargs)
+        with process_group.joined(env.world(), backend, timeout, options.run_options):
+            return prepare(wrapped(*prepare(args), **prepare(kwargs)))
     nproc = options.process_count(backend, gpus)
     if nproc == 1:
-        return wrapped(*args, **kwargs)
+        return prepare(wrapped(*prepare(args), **prepare(kwargs)))
     return launch.launch(
         wrapped,
         args,
@@ -137,4 +174,5 @@ def _call(options: Options, wrapped: Callable[..., Any], instance: Any, args: tu
         backend=backend,
         start_method=options.start_method,
         timeout=timeout,
+        options=options.run_options,
     )

@@ -61,3 +61,29 @@ class RemoteTraceback(Exception):
 
     def __str__(self) -> str:
         return self.args[0] if self.args else ""
+
+
+class Rank0Error(AutoDDPError):
+    """Raised on every other rank when the body of a ``rank0()`` block failed on rank 0.
+
+    ``type_name`` and ``message`` describe rank 0's exception (rank 0 re-raises the original).
+    """
+
+    def __init__(self, message: str, *, type_name: str = "", detail: str = ""):
+        super().__init__(message)
+        self.type_name = type_name
+        self.detail = detail
+
+    def __reduce__(self):
+        return (_rebuild_rank0_error, (self.args[0], self.type_name, self.detail))
+
+
+def _rebuild_rank0_error(message: str, type_name: str, detail: str) -> Rank0Error:
+    return Rank0Error(message, type_name=type_name, detail=detail)
+
+
+class CollectiveInRank0Error(AutoDDPError):
+    """A collective (barrier, all_reduce, ...) was called inside a ``rank0()`` body.
+
+    Only rank 0 runs that body, so the collective could never complete: it would hang.
+    """

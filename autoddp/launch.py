@@ -25,6 +25,7 @@ import torch
 from autoddp import _worker, environment, transport
 from autoddp.errors import ConfigurationError, WorkerError
 from autoddp.process_group import Backend
+from autoddp.world import RunOptions
 
 START_METHODS = ("auto", "fork", "spawn")
 _POLL_SECONDS = 0.05
@@ -99,13 +100,14 @@ def launch(
     backend: Backend,
     start_method: str,
     timeout: Any,
+    options: RunOptions,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` in ``nproc`` new workers; return rank 0's result."""
     from torch.distributed import TCPStore
 
     method, _reason = choose_start_method(start_method, backend)
     with transport.run_folder() as folder:
-        job = _worker.Job(fn, args, kwargs, backend, timeout, folder)
+        job = _worker.Job(fn, args, kwargs, backend, timeout, options, folder)
         if method == "spawn":
             transport.save_job(folder, transport.dumps_job(job, fn, args, kwargs))
             entry: Callable[..., Any] | str = sys.executable

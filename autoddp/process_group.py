@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from autoddp.errors import ConfigurationError
-from autoddp.world import CURRENT, World
+from autoddp.world import CURRENT, RunOptions, World
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -59,7 +59,12 @@ def as_timeout(timeout: float | datetime.timedelta | None) -> datetime.timedelta
 
 
 @contextlib.contextmanager
-def joined(world: World, backend: Backend, timeout: datetime.timedelta | None = None) -> Iterator[World]:
+def joined(
+    world: World,
+    backend: Backend,
+    timeout: datetime.timedelta | None = None,
+    options: RunOptions | None = None,
+) -> Iterator[World]:
     """Join the default process group for ``world`` (or reuse one the user made) for the block.
 
     The GPU is pinned before anything touches CUDA. A group created here is destroyed when the
@@ -88,7 +93,7 @@ def joined(world: World, backend: Backend, timeout: datetime.timedelta | None = 
         )
         created = True
     active = dataclasses.replace(world, device=device, backend=backend.label)
-    with CURRENT.joined(active):
+    with CURRENT.joined(active, options):
         yield active
     if created:
         gc.collect()

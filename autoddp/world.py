@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -33,19 +34,32 @@ class World:
         return self.rank == 0
 
 
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How ``prepare`` treats models in the current run (set by ``@distributed``'s options)."""
+
+    ddp_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    sync_batchnorm: bool = False
+
+
 class _Current:
-    """Holds the world this process has joined, if any (set only by the process-group lifecycle)."""
+    """Holds the world this process has joined, if any, and the run's options.
+
+    Set only by the process-group lifecycle (``process_group.joined``).
+    """
 
     def __init__(self) -> None:
         self.world: World | None = None
+        self.options: RunOptions = RunOptions()
 
     @contextlib.contextmanager
-    def joined(self, world: World) -> Iterator[World]:
-        previous, self.world = self.world, world
+    def joined(self, world: World, options: RunOptions | None = None) -> Iterator[World]:
+        previous = self.world, self.options
+        self.world, self.options = world, options or RunOptions()
         try:
             yield world
         finally:
-            self.world = previous
+            self.world, self.options = previous
 
 
 CURRENT = _Current()
