@@ -1,32 +1,43 @@
 """autoddp: run a plain single-GPU PyTorch train function on every GPU with one decorator."""
 
+from autoddp.checkpoint import load, save
+from autoddp.data import gather
 from autoddp.decorator import distributed
 from autoddp.errors import (
     AutoDDPError,
+    CollectiveInRank0Error,
     ConfigurationError,
+    Rank0Error,
     RemoteError,
     SerializationError,
     WorkerError,
 )
 from autoddp.model import unwrap
 from autoddp.prepare import prepare
+from autoddp.rank0 import rank0
 from autoddp.world import barrier, device, is_main, local_rank, rank, world_size
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AutoDDPError",
+    "CollectiveInRank0Error",
     "ConfigurationError",
+    "Rank0Error",
     "RemoteError",
     "SerializationError",
     "WorkerError",
     "barrier",
     "device",
     "distributed",
+    "gather",
     "is_main",
+    "load",
     "local_rank",
     "prepare",
     "rank",
+    "rank0",
+    "save",
     "unwrap",
     "world_size",
 ]

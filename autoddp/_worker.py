@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import dataclasses
 import datetime
+import gc
 import os
 import signal
 import sys
@@ -45,6 +46,9 @@ class Job:
 
 def run_forked(job: Job) -> None:
     """Entry point of a forked worker. Returns only on success, as elastic expects."""
+    # Objects inherited from the caller are not ours to collect: freeing one that owns a thread
+    # in the caller (a TCPStore server, say) would wait forever for a thread this copy lacks.
+    gc.freeze()
     code = _execute(job)
     if code:
         _leave(code, run_atexit=False)  # atexit handlers belong to the parent we were forked from

@@ -6,6 +6,7 @@ import dataclasses
 import datetime
 import functools
 import inspect
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, overload
 
@@ -161,7 +162,17 @@ def _call(options: Options, wrapped: Callable[..., Any], instance: Any, args: tu
     backend = process_group.resolve_backend(options.backend, gpus)
     timeout = process_group.as_timeout(options.timeout)
     if env.launched:
-        with process_group.joined(env.world(), backend, timeout, options.run_options):
+        world = env.world()
+        if options.nproc is not None and options.nproc != world.local_world_size:
+            warnings.warn(
+                f"{getattr(wrapped, '__qualname__', wrapped)}() asks for nproc={options.nproc} but runs "
+                "inside "
+                f"an existing world ({env.name}, {world.world_size} processes): it runs in place there, "
+                "without starting new processes.",
+                UserWarning,
+                stacklevel=3,
+            )
+        with process_group.joined(world, backend, timeout, options.run_options):
             return prepare(wrapped(*prepare(args), **prepare(kwargs)))
     nproc = options.process_count(backend, gpus)
     if nproc == 1:

@@ -103,8 +103,6 @@ def launch(
     options: RunOptions,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` in ``nproc`` new workers; return rank 0's result."""
-    from torch.distributed import TCPStore
-
     method, _reason = choose_start_method(start_method, backend)
     with transport.run_folder() as folder:
         job = _worker.Job(fn, args, kwargs, backend, timeout, options, folder)
@@ -115,13 +113,58 @@ def launch(
         else:
             entry = _worker.run_forked
             entry_args = {r: (job,) for r in range(nproc)}
-        store = TCPStore(environment.LOOPBACK, 0, nproc, is_master=True, wait_for_workers=False)
-        envs = worker_envs(nproc, store.port, uuid.uuid4().hex)
-        context, result = _supervise(entry, entry_args, envs, method)
-        del store
+        with _loopback_store(nproc) as port:
+            envs = worker_envs(nproc, port, uuid.uuid4().hex)
+            context, result = _supervise(entry, entry_args, envs, method)
         if result.is_failed():
             raise _first_failure(context, result, folder, nproc)
         return transport.load_result(folder)
+
+
+@contextlib.contextmanager
+def _loopback_store(nproc: int) -> Iterator[int]:
+    """The rendezvous store of a single-node run, hosted here and reachable from this machine only.
+
+    The listening socket is bound to loopback before torch's TCPStore takes it over (a TCPStore
+    binding by itself listens on every interface). The port is the one in ``MASTER_PORT`` if the
+    user set it, else one the operating system picks, so simultaneous jobs never race for a port.
+    Only the port leaves this function: the store must not outlive the run in some reference
+    cycle, where a later forked worker's garbage collection would try to stop its server thread.
+    """
+    import socket
+
+    from torch.distributed import TCPStore
+
+    requested = os.environ.get("MASTER_PORT", "0")
+    if not requested.isdigit() or int(requested) > 65535:
+        raise ConfigurationError(f"MASTER_PORT={requested!r} is not a port number; fix or unset it")
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((environment.LOOPBACK, int(requested)))
+    except OSError as exc:
+        listener.close()
+        raise ConfigurationError(
+            f"MASTER_PORT={requested} cannot be used ({exc.strerror}); another program holds it. "
+            "Unset MASTER_PORT to let autoddp pick a free port, or choose another."
+        ) from None
+    listener.listen(max(128, nproc))
+    try:
+        store = TCPStore(
+            environment.LOOPBACK,
+            listener.getsockname()[1],
+            nproc,
+            is_master=True,
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno(),
+        )
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store owns the socket now and closes it when it goes
+    try:
+        yield store.port
+    finally:
+        del store
 
 
 def _supervise(entry: Any, entry_args: dict, envs: dict, method: str) -> Any:

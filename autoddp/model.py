@@ -1,13 +1,40 @@
-"""Model wrapping: move to the device, wrap in DDP, keep the user's module transparent."""
+"""Model wrapping: move to the device, wrap in DDP, and keep the user's module transparent.
+
+The object the user gets back is their own module: its class is swapped for a cached subclass
+whose ``__call__`` goes through DistributedDataParallel when gradients are being recorded. So
+``isinstance`` holds, attributes read and write the module itself, ``state_dict`` keys have no
+``module.`` prefix, ``model.to(...)``/``.train()`` return the same wrapped object, and a user
+method that calls ``self(x)`` is synchronised too. Pickling, ``torch.save(model)`` and
+``copy.deepcopy`` give a plain copy of the user's class. Only a direct ``model.forward(x)``
+bypasses DDP.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import functools
+import threading
+import types
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-from autoddp.world import World
+from autoddp.errors import ConfigurationError
+from autoddp.world import CURRENT, World
+
+_DDP_ATTR = "_autoddp_ddp"
+
+
+class _Routing(threading.local):
+    """Per-thread state of the call routing: inside DDP's forward, and how many DDP calls ran."""
+
+    inside = False
+    calls = 0
+
+
+_ROUTING = _Routing()
 
 
 def wrap_model(
@@ -17,17 +44,182 @@ def wrap_model(
     ddp_kwargs: Mapping[str, Any] | None = None,
     sync_batchnorm: bool = False,
 ) -> torch.nn.Module:
-    """Return ``module`` on this process's device, gradient-synchronised when the world has more
-    than one process (placeholder: device placement only)."""
-    return module.to(world.device)
+    """Return ``module`` on this process's device, its gradients synchronised across the world.
+
+    With one process, or a model with nothing to train, the module is only moved. A model that
+    is already wrapped (by autoddp or in a DistributedDataParallel) is returned unchanged.
+    """
+    if is_wrapped(module) or isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        return module
+    compiled = _compiled_inner(module)
+    if compiled is not None:  # torch.compile(model): wrap the real module, keep its compilation
+        inner, dynamo_ctx = compiled
+        inner._compiled_call_impl = dynamo_ctx(inner._call_impl)
+        module = inner
+    if world.world_size > 1 and sync_batchnorm:
+        if not world.device.startswith("cuda"):
+            raise ConfigurationError(
+                "sync_batchnorm=True needs CUDA devices: torch's SyncBatchNorm does not run on the CPU. "
+                "Leave it off for CPU (gloo) runs."
+            )
+        module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    module = module.to(world.device)
+    if world.world_size == 1 or not any(p.requires_grad for p in module.parameters()):
+        return module
+    batchnorm = torch.nn.modules.batchnorm._BatchNorm
+    if not sync_batchnorm and any(isinstance(m, batchnorm) for m in module.modules()):
+        warnings.warn(
+            f"{type(module).__name__} has BatchNorm layers: each process normalises with the statistics "
+            "of its own batch. Pass sync_batchnorm=True to @distributed to synchronise them.",
+            UserWarning,
+            stacklevel=4,
+        )
+    device_ids = [world.local_rank] if world.device.startswith("cuda") else None
+    ddp = torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **dict(ddp_kwargs or {}))
+    object.__setattr__(module, _DDP_ATTR, ddp)
+    module.__class__ = _wrapped_class(type(module))
+    CURRENT.wrapped.add(module)
+    return module
+
+
+def is_wrapped(model: Any) -> bool:
+    """True for a module that autoddp wrapped in DDP."""
+    return isinstance(model, torch.nn.Module) and _DDP_ATTR in model.__dict__
+
+
+def ddp_of(model: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel | None:
+    """The DistributedDataParallel behind a wrapped module (None if it is not wrapped)."""
+    return model.__dict__.get(_DDP_ATTR)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's plain module behind DDP and ``torch.compile`` wrappers."""
+    """The user's own module behind DDP and ``torch.compile`` wrappers.
+
+    For a module autoddp wrapped, that is the module itself: its ``state_dict`` is already
+    plain, and pickling or deep-copying it gives an instance of the user's class.
+    """
     while True:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
-            model = model._orig_mod
+        elif (compiled := _compiled_inner(model)) is not None:
+            model = compiled[0]
         else:
             return model
+
+
+def release(model: torch.nn.Module) -> None:
+    """Detach the DDP wrapper from ``model`` (before its process group is destroyed).
+
+    Freeing a DDP wrapper after ``destroy_process_group`` can deadlock gloo, so the group's
+    lifecycle releases every wrapped model first; the module is then plain again.
+    """
+    if is_wrapped(model):
+        del model.__dict__[_DDP_ATTR]
+        model.__class__ = model.__class__._autoddp_plain_class
+
+
+def _compiled_inner(model: Any) -> tuple[torch.nn.Module, Any] | None:
+    """The module and compile context inside a ``torch.compile`` result (without importing dynamo)."""
+    if type(model).__name__ != "OptimizedModule":
+        return None
+    inner, context = getattr(model, "_orig_mod", None), getattr(model, "dynamo_ctx", None)
+    return (inner, context) if isinstance(inner, torch.nn.Module) and context is not None else None
+
+
+# --- the swapped class --------------------------------------------------------------------
+
+
+def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    plain = type(self)._autoddp_plain_class
+    ddp = self.__dict__.get(_DDP_ATTR)
+    if ddp is None or _ROUTING.inside or not torch.is_grad_enabled():
+        return plain.__call__(self, *args, **kwargs)
+    _ROUTING.inside = True
+    _ROUTING.calls += 1
+    try:
+        return ddp(*args, **kwargs)
+    finally:
+        _ROUTING.inside = False
+
+
+def _reduce_ex(self: torch.nn.Module, protocol: int) -> tuple:
+    plain = type(self)._autoddp_plain_class
+    getstate = getattr(plain, "__getstate__", None)
+    state = getstate(self) if getstate is not None and getstate is not object.__getstate__ else None
+    if state is None:
+        state = self.__dict__
+    if isinstance(state, dict):
+        state = {key: value for key, value in state.items() if key != _DDP_ATTR}
+    return (_new_plain, (plain,), state)
+
+
+def _new_plain(cls: type) -> Any:
+    return cls.__new__(cls)
+
+
+def _no_sync(self: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """Skip gradient synchronisation inside the block (gradient accumulation); DDP's ``no_sync``."""
+    ddp = self.__dict__.get(_DDP_ATTR)
+    return ddp.no_sync() if ddp is not None else contextlib.nullcontext()
+
+
+def _watched(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a user method so that computing with gradients while bypassing DDP warns once."""
+
+    @functools.wraps(method)
+    def watched(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if _ROUTING.inside or not torch.is_grad_enabled() or _DDP_ATTR not in self.__dict__:
+            return method(self, *args, **kwargs)
+        calls = _ROUTING.calls
+        result = method(self, *args, **kwargs)
+        if _ROUTING.calls == calls and _carries_grad(result):
+            warnings.warn(
+                f"{type(self).__name__}.{name}() computed a result with gradients without calling the "
+                f"model itself, so DDP did not see it and will not synchronise those gradients across "
+                f"processes. Call self(...) inside {name}(), or compute through the model's forward.",
+                UserWarning,
+                stacklevel=2,
+            )
+        return result
+
+    return watched
+
+
+def _carries_grad(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.grad_fn is not None
+    if isinstance(value, (list, tuple)):
+        return any(_carries_grad(v) for v in value)
+    if isinstance(value, dict):
+        return any(_carries_grad(v) for v in value.values())
+    return False
+
+
+def _user_methods(cls: type) -> Iterator[tuple[str, Callable[..., Any]]]:
+    seen: set[str] = set()
+    for klass in cls.__mro__:
+        if klass is torch.nn.Module or not issubclass(klass, torch.nn.Module):
+            break
+        for name, attr in vars(klass).items():
+            if name in seen:
+                continue
+            seen.add(name)
+            if isinstance(attr, types.FunctionType) and not name.startswith("_") and name != "forward":
+                yield name, attr
+
+
+@functools.cache
+def _wrapped_class(cls: type) -> type:
+    """A subclass of ``cls`` with the same name whose calls go through the instance's DDP."""
+    namespace: dict[str, Any] = {
+        "__call__": _call,
+        "__reduce_ex__": _reduce_ex,
+        "no_sync": _no_sync,
+        "_autoddp_plain_class": cls,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+    }
+    for name, method in _user_methods(cls):
+        namespace[name] = _watched(name, method)
+    return types.new_class(cls.__name__, (cls,), exec_body=lambda ns: ns.update(namespace))

@@ -68,9 +68,10 @@ def joined(
     """Join the default process group for ``world`` (or reuse one the user made) for the block.
 
     The GPU is pinned before anything touches CUDA. A group created here is destroyed when the
-    block ends normally; garbage is collected first so DDP wrappers release the group before it
-    goes (freeing them afterwards deadlocks gloo). After an error the group is left to the
-    process's exit: the other ranks may still be inside a collective with it.
+    block ends normally; first every wrapped model lets go of its DDP wrapper and garbage is
+    collected, so no DDP outlives the group (freeing one afterwards can deadlock gloo). After an
+    error the group is left to the process's exit: the other ranks may still be inside a
+    collective with it.
     """
     import torch.distributed as dist
 
@@ -96,5 +97,9 @@ def joined(
     with CURRENT.joined(active, options):
         yield active
     if created:
+        from autoddp.model import release
+
+        for model in list(CURRENT.wrapped):
+            release(model)
         gc.collect()
         dist.destroy_process_group()

@@ -181,8 +181,9 @@ class ErrorReport:
 
     @property
     def is_consequence(self) -> bool:
-        """True for errors caused by a peer failing (a collective losing its connection)."""
-        return any(marker in self.message for marker in _CONSEQUENCE_MARKERS)
+        """True for errors caused by another rank's failure: a collective losing its connection,
+        or ``Rank0Error`` (rank 0's block failed; rank 0 reports the original)."""
+        return self.type_name.endswith("Rank0Error") or any(m in self.message for m in _CONSEQUENCE_MARKERS)
 
     def summary(self) -> str:
         first_line = self.message.splitlines()[0] if self.message else ""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -51,6 +52,8 @@ class _Current:
     def __init__(self) -> None:
         self.world: World | None = None
         self.options: RunOptions = RunOptions()
+        #: Models wrapped in DDP in this process, released before their process group ends.
+        self.wrapped: weakref.WeakSet = weakref.WeakSet()
 
     @contextlib.contextmanager
     def joined(self, world: World, options: RunOptions | None = None) -> Iterator[World]:

@@ -1,0 +1,150 @@
+"""Checkpoints: ``save`` writes from rank 0 atomically, ``load`` reads onto this process's device.
+
+A save never leaves a half-written file at its path: rank 0 writes a temporary file in the same
+folder, flushes and fsyncs it, renames it over the path (``os.replace`` is atomic) and fsyncs
+the folder, so a crash at any moment leaves either the previous checkpoint or the new one.
+Models are saved as their plain ``state_dict()`` (no DDP ``module.`` prefix), so a checkpoint
+loads into the undecorated model too. Resume pattern::
+
+    state = autoddp.load("ckpt.pt", default=None)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    ...
+    autoddp.save({"model": model, "optimizer": optimizer, "epoch": epoch}, "ckpt.pt")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import errno
+import os
+import uuid
+from typing import Any
+
+import torch
+
+from autoddp.model import unwrap
+from autoddp.rank0 import decorate
+from autoddp.world import device
+
+# Temporary files are named ".<checkpoint name>.<random>.autoddp-tmp" next to the checkpoint.
+TEMPORARY_SUFFIX = ".autoddp-tmp"
+_MISSING: Any = object()
+
+
+def save(obj: Any, path: str | os.PathLike[str]) -> None:
+    """Write ``obj`` to ``path`` from rank 0 only, atomically; every rank returns once it is complete.
+
+    Modules (also DDP-wrapped or compiled), optimizers and anything else with ``state_dict()``,
+    at the top or inside dicts, lists and tuples, are saved as their state dicts. A failure on
+    rank 0 raises there and as ``Rank0Error`` on the other ranks.
+    """
+    _write_on_rank0(obj, os.fspath(path))
+
+
+def load(path: str | os.PathLike[str], default: Any = _MISSING, *, weights_only: bool = True) -> Any:
+    """Read a checkpoint onto this process's device (``autoddp.device()``), e.g. to resume.
+
+    When ``path`` does not exist, return ``default`` if one was given (``default=None`` starts
+    fresh), else raise ``FileNotFoundError``. ``weights_only`` is passed to ``torch.load``: set it
+    to False only for checkpoints you trust that hold objects other than tensors and containers.
+    """
+    path = os.fspath(path)
+    try:
+        return torch.load(path, map_location=device(), weights_only=weights_only)
+    except FileNotFoundError:
+        if default is not _MISSING:
+            return default
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"no checkpoint at {path!r}; to start fresh when there is none, "
+            f"use autoddp.load({path!r}, default=None)",
+            path,
+        ) from None
+
+
+def _write(obj: Any, path: str) -> None:
+    """Rank 0's part of ``save``: temporary file, fsync, atomic rename, fsync of the folder."""
+    folder, name = os.path.split(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"cannot save a checkpoint to {path!r}: the folder {folder!r} does not exist; "
+            "create it first (os.makedirs(folder, exist_ok=True))",
+            folder,
+        )
+    state = _plain_state(obj)
+    temporary = os.path.join(folder, f".{name}.{uuid.uuid4().hex[:12]}{TEMPORARY_SUFFIX}")
+    # Created like open(path, "wb") would (permissions from the umask), but never replacing a file.
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    _remove_stale_temporaries(folder, name)
+    _fsync_folder(folder)
+
+
+# Rank 0 writes; the others wait for it and learn whether it failed (see autoddp.rank0).
+_write_on_rank0 = decorate(_write, where="autoddp.save()")
+
+
+def _plain_state(obj: Any) -> Any:
+    """``obj`` with every Module (unwrapped), optimizer and other ``state_dict()`` holder as its state.
+
+    Containers are copied only where something inside changed, so state dicts keep their type and
+    metadata.
+    """
+    if isinstance(obj, torch.nn.Module):
+        return unwrap(obj).state_dict()
+    if isinstance(obj, (torch.Tensor, type)):
+        return obj
+    if isinstance(obj, dict):
+        changed = {key: new for key, value in obj.items() if (new := _plain_state(value)) is not value}
+        if not changed:
+            return obj
+        result = copy.copy(obj)
+        result.update(changed)
+        return result
+    if isinstance(obj, (list, tuple)):
+        items = [_plain_state(value) for value in obj]
+        if all(new is old for new, old in zip(items, obj, strict=True)):
+            return obj
+        if isinstance(obj, list):
+            return items
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    state_dict = getattr(obj, "state_dict", None)
+    if callable(state_dict):
+        return state_dict()
+    return obj
+
+
+def _remove_stale_temporaries(folder: str, name: str) -> None:
+    """Delete temporary files that earlier, interrupted saves of the same checkpoint left."""
+    prefix = f".{name}."
+    with contextlib.suppress(OSError), os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.name.startswith(prefix) and entry.name.endswith(TEMPORARY_SUFFIX):
+                middle = entry.name[len(prefix) : -len(TEMPORARY_SUFFIX)]
+                if len(middle) == 12 and all(c in "0123456789abcdef" for c in middle):
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
+
+
+def _fsync_folder(folder: str) -> None:
+    """Make the rename itself durable (POSIX); a no-op where folders cannot be opened."""
+    if not hasattr(os, "O_DIRECTORY"):
+        return
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

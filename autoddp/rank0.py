@@ -1,0 +1,386 @@
+"""``rank0()``: run a block on global rank 0 only; every rank waits for it and learns its outcome.
+
+Use it as ``with autoddp.rank0(): ...`` or as a decorator, ``@autoddp.rank0``. Other ranks skip
+the body (see ``autoddp._skip`` for how) and wait until rank 0 has finished it; if the body
+raised, rank 0 re-raises its exception and every other rank raises ``Rank0Error`` naming it, so
+no rank is left waiting in a later collective. The plain alternative, when the other ranks need
+not wait, is ``if autoddp.is_main(): ...``.
+
+Rank 0 publishes the outcome in the process group's key-value store (one ``set`` per block);
+the other ranks wait on that key with the process group's timeout and delete it after reading.
+A collective in the body would pair with nothing (only rank 0 runs it) and hang, so while the
+body runs on rank 0 the collectives of ``torch.distributed`` and ``autoddp.barrier`` raise
+``CollectiveInRank0Error`` instead.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import inspect
+import itertools
+import json
+import sys
+from collections.abc import Callable
+from types import FrameType, ModuleType, TracebackType
+from typing import Any, TypeVar, overload
+
+import torch
+import torch.distributed as dist
+
+from autoddp import _skip
+from autoddp.errors import CollectiveInRank0Error, ConfigurationError, Rank0Error
+from autoddp.world import current
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Collectives that hang when one rank calls them alone (the names torch.distributed defines).
+COLLECTIVES = (
+    "all_gather",
+    "all_gather_coalesced",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "monitored_barrier",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+)
+
+_KEY_PREFIX = "autoddp/rank0/"
+_MAX_SITES = 4096
+_OK = b"ok\n"  # then the block's name: readers check that they are at the same block
+
+# How a block runs on this process.
+_INLINE = "inline"  # a world of 1, or nested in a body already running on rank 0: just run it
+_RUN = "run"  # rank 0: run the body with collectives refused, then publish the outcome
+_SKIP = "skip"  # other ranks: skip the body, wait for rank 0's outcome
+
+
+class _State:
+    """Per-process bookkeeping of rank0 blocks: the only module state.
+
+    ``sequence`` numbers the blocks that synchronise (every rank runs the same blocks in the
+    same order, so the numbers agree across ranks and name the store keys); ``depth`` counts
+    bodies running on this rank 0 and ``running`` names the outermost; ``sites`` caches the
+    source check per ``with`` site; ``refusals`` lists the collective stand-ins, made once.
+    """
+
+    def __init__(self) -> None:
+        self.sequence = itertools.count()
+        self.depth = 0
+        self.running = ""
+        self.sites: dict[tuple[int, int], tuple[Any, str, str | None]] = {}
+        self.refusals: list[tuple[dict[str, Any], dict[str, Callable[..., Any]]]] = []
+
+
+_STATE = _State()
+
+
+class Rank0Block:
+    """The object ``rank0()`` returns: a context manager, and a decorator when called on a function.
+
+    Skipped ranks never enter the context managers listed after it in the same ``with``
+    statement (``with rank0(), other():``); list those first or nest them inside the body.
+    """
+
+    __slots__ = ("_key", "_mode", "_saved", "_skipper", "_store", "_where")
+
+    def __init__(self) -> None:
+        self._mode = _INLINE
+        self._key = ""
+        self._where = "the rank0() block"
+        self._store: Any = None
+        self._saved: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        self._skipper = _skip.BodySkipper()
+
+    def __call__(self, fn: F) -> F:
+        return decorate(fn)
+
+    def __enter__(self) -> None:
+        frame = sys._getframe(1)
+        self._where = _check_site(frame)
+        self._begin()
+        if self._mode is _SKIP:
+            self._skipper.start(frame)  # last: from here on this frame's next opcode skips
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        if self._mode is not _SKIP:
+            self._finish(exc)
+            return False
+        # A skipping rank: do everything that calls Python, then restore the tracers last.
+        error = self._outcome_error() if exc_type is None or _skip.is_skip(exc_type) else None
+        skipped = self._skipper.stop(exc_type)  # the last call: it puts the tracers back
+        if error is not None:
+            raise error
+        return skipped
+
+    def _begin(self) -> None:
+        """Decide how this process runs the block; on rank 0 start refusing collectives."""
+        world = current()
+        if world.world_size == 1 or _STATE.depth:
+            self._mode = _INLINE
+            return
+        self._store = _store(world.world_size)
+        self._key = f"{_KEY_PREFIX}{next(_STATE.sequence)}"
+        if world.rank != 0:
+            self._mode = _SKIP
+            return
+        self._mode = _RUN
+        _STATE.depth += 1
+        _STATE.running = self._where
+        self._saved = _refuse_collectives()
+
+    def _finish(self, exc: BaseException | None) -> None:
+        """On rank 0: give the collectives back and publish whether the body raised."""
+        if self._mode is not _RUN:
+            return
+        _restore_collectives(self._saved)
+        self._saved = []
+        _STATE.depth -= 1
+        if exc is None:
+            value = _OK + self._where.encode()
+        else:
+            value = json.dumps({**_describe(exc), "where": self._where}).encode()
+        if self._store is not None:
+            self._store.set(self._key, value)
+        else:
+            dist.broadcast_object_list([value], src=0)
+
+    def _outcome_error(self) -> Rank0Error | None:
+        """On other ranks: wait for rank 0's outcome; the error to raise, if any (never raises)."""
+        rank = current().rank
+        try:
+            value = _wait(self._store, self._key, current().world_size)
+        except Exception as wait_error:
+            timeout = _timeout(self._store)
+            error = Rank0Error(
+                f"rank {rank} gave up waiting for rank 0 to finish {self._where} "
+                f"({type(wait_error).__name__}: {wait_error}; the process group's timeout is {timeout}). "
+                "If rank 0 needs longer in that block, raise the timeout (@autoddp.distributed(timeout=...) "
+                "or init_process_group(timeout=...)); if rank 0 died, its own error says why",
+                type_name="TimeoutError",
+                detail=str(wait_error),
+            )
+            error.__cause__ = wait_error
+            error.__suppress_context__ = True
+            return error
+        if value.startswith(_OK):
+            theirs, described = value[len(_OK) :].decode(), None
+        else:
+            described = json.loads(value)
+            theirs = described["where"]
+        if theirs != self._where:
+            error = Rank0Error(
+                f"the ranks are out of step: rank {rank} is at {self._where}, but the same block "
+                f"(number {self._key.rsplit('/', 1)[1]}) on rank 0 was {theirs}. Every rank must pass the "
+                "same rank0() blocks in the same order: make the conditions around them the same on "
+                "every rank, or use `if autoddp.is_main():` for work the others need not wait for",
+                detail=theirs,
+            )
+        elif described is not None:
+            error = Rank0Error(
+                f"{self._where} failed on rank 0 with {described['type']}: "
+                f"{described['message']} (rank 0 raises that error with its traceback; rank {rank} "
+                "raises this one so that no rank waits for the others forever)",
+                type_name=described["type"],
+                detail=described["message"],
+            )
+        else:
+            return None
+        error.__suppress_context__ = True  # not "during handling of _Skip"
+        return error
+
+
+@overload
+def rank0() -> Rank0Block: ...
+@overload
+def rank0(fn: F, /) -> F: ...
+def rank0(fn: Callable[..., Any] | None = None, /) -> Any:
+    """Run a block (``with autoddp.rank0():``) or a function (``@autoddp.rank0``) on rank 0 only.
+
+    Every other rank skips it and waits until rank 0 has finished, then raises ``Rank0Error`` if
+    rank 0's body raised (rank 0 re-raises its own error); a decorated function returns its
+    result on rank 0 and None elsewhere. Outside a distributed run it simply runs. The body may
+    not ``return``, ``break``, ``continue``, ``yield`` or ``await`` out of the block, nor bind
+    ``as``; nor call collectives. Use ``if autoddp.is_main():`` when the others need not wait.
+    """
+    if fn is None:
+        return Rank0Block()
+    return decorate(fn)
+
+
+def decorate(fn: F, *, where: str | None = None) -> F:
+    """``@rank0`` itself; ``where`` names the function in messages (default: its qualified name)."""
+    if not callable(fn):
+        raise ConfigurationError(
+            f"rank0 decorates a function, not {type(fn).__name__}; use `with autoddp.rank0():` for a block"
+        )
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn) or inspect.iscoroutinefunction(fn):
+        raise ConfigurationError(
+            f"@rank0 cannot decorate {getattr(fn, '__qualname__', fn)!r}: a generator or async function "
+            "would run its body later, outside the block; decorate a plain function that does the work"
+        )
+    if where is None:
+        where = f"the @rank0 function {getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}()"
+
+    @functools.wraps(fn)
+    def on_rank0(*args: Any, **kwargs: Any) -> Any:
+        block = Rank0Block()
+        block._where = where
+        block._begin()
+        if block._mode is _SKIP:
+            error = block._outcome_error()
+            if error is not None:
+                raise error
+            return None
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as exc:
+            block._finish(exc)
+            raise
+        block._finish(None)
+        return result
+
+    return on_rank0  # type: ignore[return-value]
+
+
+def _check_site(frame: FrameType) -> str:
+    """The ``with`` site's name for messages; ConfigurationError if its body cannot be skipped."""
+    key = (id(frame.f_code), frame.f_lasti)
+    site = _STATE.sites.get(key)
+    if site is None:
+        if len(_STATE.sites) >= _MAX_SITES:
+            _STATE.sites.clear()
+        where = f"the rank0() block at {frame.f_code.co_filename}:{frame.f_lineno}"
+        if not _skip.entered_by_with(frame):
+            problem = (
+                f"{where} must be entered by a `with` statement (or used as @rank0 on a "
+                "function): the other ranks skip the body of that statement, which an ExitStack or a "
+                "direct __enter__() call does not have"
+            )
+        else:
+            problem = _skip.body_problem(frame, "autoddp.rank0()")
+        site = (frame.f_code, where, problem)  # the code object is kept so that its id stays unique
+        _STATE.sites[key] = site
+    if site[2] is not None:
+        raise ConfigurationError(site[2])
+    return site[1]
+
+
+def _store(world_size: int) -> Any:
+    """The default process group's store, or None when it has none (then a broadcast is used)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigurationError(
+            f"rank0() in a world of {world_size} processes needs the default process group: call it "
+            "inside an @autoddp.distributed function, or after torch.distributed.init_process_group()"
+        )
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, KeyError, RuntimeError, ValueError):
+        return None
+    return None if type(store) is dist.Store else store  # MPI's placeholder store holds no keys
+
+
+def _wait(store: Any, key: str, world_size: int) -> bytes:
+    """Rank 0's published outcome for ``key``; the last reader deletes the key."""
+    if store is None:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    store.wait([key], _timeout(store))
+    value = store.get(key)
+    readers = world_size - 1
+    if readers == 1 or store.add(f"{key}/read", 1) == readers:
+        store.delete_key(key)
+        if readers > 1:
+            store.delete_key(f"{key}/read")
+    return value
+
+
+def _timeout(store: Any) -> datetime.timedelta:
+    """The default process group's timeout (what its collectives wait), else the store's."""
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except Exception:
+        return store.timeout if store is not None else datetime.timedelta(minutes=30)
+
+
+def _describe(exc: BaseException) -> dict[str, str]:
+    kind = type(exc)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    try:
+        message = str(exc)
+    except Exception:
+        message = "<the exception's message could not be turned into text>"
+    return {"type": name, "message": message}
+
+
+def _refuse_collectives() -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Put stand-ins that raise in place of the collectives; returns what to put back."""
+    if not _STATE.refusals:
+        _STATE.refusals = _make_refusals()
+    saved = []
+    for namespace, refusals in _STATE.refusals:
+        saved.append((namespace, {name: namespace.get(name) for name in refusals}))
+        namespace.update(refusals)  # one call per module: a block on rank 0 stays cheap
+    return saved
+
+
+def _restore_collectives(saved: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
+    for namespace, originals in saved:
+        namespace.update(originals)
+
+
+def _make_refusals() -> list[tuple[dict[str, Any], dict[str, Callable[..., Any]]]]:
+    """(module namespace, {name: stand-in}) for every collective a body can reach by attribute."""
+    modules: list[tuple[ModuleType, tuple[str, ...], str]] = [
+        (dist, (*COLLECTIVES, "_broadcast_coalesced"), "torch.distributed"),
+        (dist.distributed_c10d, COLLECTIVES, "torch.distributed"),
+    ]
+    for name in ("autoddp", "autoddp.world"):
+        module = sys.modules.get(name)
+        if module is not None:
+            modules.append((module, ("barrier",), "autoddp"))
+    return [
+        (
+            vars(module),
+            {name: _refusal(f"{label}.{name}") for name in names if vars(module).get(name) is not None},
+        )
+        for module, names, label in modules
+    ]
+
+
+def _refusal(qualified: str) -> Callable[..., Any]:
+    hint = ""
+    if qualified.endswith("._broadcast_coalesced"):
+        hint = (
+            " (a DistributedDataParallel model's forward with gradients on syncs its buffers this way: "
+            "inside the block, call the plain module, autoddp.unwrap(model), or run under torch.no_grad())"
+        )
+
+    def refusal(*args: Any, **kwargs: Any) -> Any:
+        raise CollectiveInRank0Error(
+            f"{qualified}() was called inside {_STATE.running}{hint}: only rank 0 runs that body, so "
+            "the other ranks never join this collective and it would hang. Move the call out of the "
+            "block, to where every rank makes it"
+        )
+
+    refusal.__name__ = refusal.__qualname__ = qualified.rsplit(".", 1)[1]
+    return refusal
