@@ -47,6 +47,10 @@ def resolve_backend(requested: str | None, gpus: int) -> Backend:
     return Backend("cpu:gloo,cuda:nccl", use_cuda=True)
 
 
+def _host_for_url(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def as_timeout(timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:
     """Normalise a ``timeout=`` option (seconds or timedelta) for init_process_group."""
     if timeout is None or isinstance(timeout, datetime.timedelta):
@@ -85,9 +89,15 @@ def joined(
             kwargs["timeout"] = timeout
         if backend.use_cuda:
             kwargs["device_id"] = torch.device(device)
+        if not world.master_addr or not world.master_port:
+            raise ConfigurationError(
+                f"this process is rank {world.rank} of {world.world_size}, but the address of rank 0 is "
+                "unknown: set MASTER_ADDR (rank 0's host) and MASTER_PORT (a free port there) "
+                "for every process"
+            )
         dist.init_process_group(
             backend.name,
-            init_method="env://",
+            init_method=f"tcp://{_host_for_url(world.master_addr)}:{world.master_port}",
             rank=world.rank,
             world_size=world.world_size,
             **kwargs,
