@@ -48,6 +48,8 @@ def main() -> None:
         _run(sys.argv[1:])
     except SystemExit:
         raise
+    except KeyboardInterrupt:  # the launcher passes Ctrl-C on and reports it once, for everyone
+        sys.exit(128 + 2)
     except BaseException as exc:
         ErrorHandler().record_exception(exc)
         exc.__traceback__ = _user_frames(exc.__traceback__)

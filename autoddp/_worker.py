@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import dataclasses
 import datetime
+import faulthandler
 import gc
 import os
 import signal
@@ -60,6 +61,7 @@ def main() -> None:
     _set_up_process()
     try:
         job = transport.load_job(folder)
+        job.folder = folder  # the job was pickled once for all attempts; this attempt's folder
     except BaseException as exc:
         transport.save_error(folder, int(os.environ.get("RANK", "0")), exc)
         _leave(1)
@@ -69,6 +71,7 @@ def main() -> None:
 def _execute(job: Job) -> int:
     _set_up_process()
     world = environment.detect().world()
+    _STACK_DUMP.arm(job.folder, world.rank)
     try:
         if job.backend.use_cuda and getattr(torch._C, "_cuda_isInBadFork", lambda: False)():
             raise AutoDDPError(
@@ -86,6 +89,27 @@ def _execute(job: Job) -> int:
     except BaseException as exc:
         transport.save_error(job.folder, world.rank, exc)
         return 1
+
+
+class _StackDump:
+    """Writes this worker's Python stacks to the run folder when autoddp stops it (SIGTERM).
+
+    If a collective timed out on another rank, this shows where the rank that never arrived
+    was stuck; the caller reads it only then. The file must stay open while armed.
+    """
+
+    def __init__(self) -> None:
+        self.file: Any = None
+
+    def arm(self, folder: str, rank: int) -> None:
+        if self.file is not None or not hasattr(signal, "SIGTERM"):
+            return
+        path = transport.stack_path(folder, rank)
+        self.file = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w")
+        faulthandler.register(signal.SIGTERM, file=self.file, all_threads=True, chain=True)
+
+
+_STACK_DUMP = _StackDump()
 
 
 def _set_up_process() -> None:

@@ -132,6 +132,7 @@ def _launch(
     nproc: int, as_module: bool, script: str, args: list[str], max_restarts: int, monitor_interval: float
 ) -> int:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -141,14 +142,17 @@ def _launch(
     os.environ["AUTODDP_RUN_ID"] = run_id
     os.environ["AUTODDP_PARENT_PID"] = str(os.getpid())
     entry_args = ["-m", "autoddp._script", *(["--module"] if as_module else []), script, *args]
-    with transport.run_folder() as folder:
+    # The rendezvous store listens on loopback only: elastic's c10d backend opens its store on
+    # this port in this process and so shares this loopback-bound server.
+    with transport.run_folder() as folder, launch.loopback_store(nproc) as port:
         config = LaunchConfig(
             min_nodes=1,
             max_nodes=1,
             nproc_per_node=nproc,
             run_id=run_id,
             rdzv_backend="c10d",
-            rdzv_endpoint=f"{environment.LOOPBACK}:0",
+            rdzv_endpoint=f"{environment.LOOPBACK}:{port}",
+            rdzv_configs={"is_host": True},
             max_restarts=max_restarts,
             monitor_interval=monitor_interval,
             start_method="spawn",
@@ -162,6 +166,9 @@ def _launch(
             rank, failure = exc.get_first_failure()
             click.echo(_failure_line(rank, failure, nproc), err=True)
             return 1
+        except SignalException as exc:  # Ctrl-C or SIGTERM: elastic has stopped every worker
+            click.echo(f"autoddp: {exc.sigval.name} received: stopped all {nproc} workers", err=True)
+            return 128 + int(exc.sigval)
     return 0
 
 

@@ -30,6 +30,7 @@ class Options:
     timeout: float | datetime.timedelta | None = None
     ddp: Mapping[str, Any] | None = None
     sync_batchnorm: bool = False
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         if self.nproc is not None and (
@@ -56,6 +57,14 @@ class Options:
                 raise ConfigurationError(
                     f"ddp= may not set {', '.join(reserved)}: autoddp sets them for each process; remove them"
                 )
+        if (
+            isinstance(self.max_restarts, bool)
+            or not isinstance(self.max_restarts, int)
+            or self.max_restarts < 0
+        ):
+            raise ConfigurationError(
+                f"max_restarts={self.max_restarts!r} must be a whole number >= 0 (restarts after a failure)"
+            )
         if not isinstance(self.sync_batchnorm, bool):
             raise ConfigurationError(f"sync_batchnorm={self.sync_batchnorm!r} must be True or False")
 
@@ -96,6 +105,7 @@ def distributed(
     timeout: float | datetime.timedelta | None = None,
     ddp: Mapping[str, Any] | None = None,
     sync_batchnorm: bool = False,
+    max_restarts: int = 0,
 ) -> Callable[[F], F]: ...
 def distributed(
     fn: Callable[..., Any] | None = None,
@@ -107,6 +117,7 @@ def distributed(
     timeout: float | datetime.timedelta | None = None,
     ddp: Mapping[str, Any] | None = None,
     sync_batchnorm: bool = False,
+    max_restarts: int = 0,
 ) -> Any:
     """Make ``fn`` run once per device, each process in a ready process group.
 
@@ -121,7 +132,9 @@ def distributed(
     ``start_method``: ``"auto"`` (fork where CUDA is untouched, fresh interpreters otherwise),
     ``"fork"`` or ``"spawn"`` (fresh interpreters that receive the function by value; unlike
     multiprocessing's spawn, never re-import ``__main__``). ``timeout``: seconds a collective
-    may wait before failing (torch's default when unset).
+    may wait before failing (torch's default when unset). ``max_restarts``: start the whole
+    group again this many times after a worker fails (the workers see
+    ``TORCHELASTIC_RESTART_COUNT``; resume with ``autoddp.load(path, default=None)``).
 
     Models and DataLoaders among the arguments are prepared (see ``autoddp.prepare``): models
     are moved to the process's device and wrapped in DDP (``ddp=`` passes keyword arguments
@@ -135,6 +148,7 @@ def distributed(
         timeout=timeout,
         ddp=ddp,
         sync_batchnorm=sync_batchnorm,
+        max_restarts=max_restarts,
     )
     if fn is None:
         return functools.partial(_decorate, options=options)
@@ -186,4 +200,5 @@ def _call(options: Options, wrapped: Callable[..., Any], instance: Any, args: tu
         start_method=options.start_method,
         timeout=timeout,
         options=options.run_options,
+        max_restarts=options.max_restarts,
     )

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from autoddp import _worker, environment, transport
-from autoddp.errors import ConfigurationError, WorkerError
+from autoddp.errors import ConfigurationError, SerializationError, WorkerError
 from autoddp.process_group import Backend
 from autoddp.world import RunOptions
 
@@ -73,7 +73,7 @@ def _cuda_poisons_fork() -> bool:
     return os.waitstatus_to_exitcode(status) != 0
 
 
-def worker_envs(nproc: int, port: int, run_id: str) -> dict[int, dict[str, str]]:
+def worker_envs(nproc: int, port: int, run_id: str, attempt: int = 0) -> dict[int, dict[str, str]]:
     """The variables each worker gets, named as torchrun names them."""
     common = {
         "WORLD_SIZE": str(nproc),
@@ -85,6 +85,7 @@ def worker_envs(nproc: int, port: int, run_id: str) -> dict[int, dict[str, str]]
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "AUTODDP_RUN_ID": run_id,
         "AUTODDP_PARENT_PID": str(os.getpid()),
+        "TORCHELASTIC_RESTART_COUNT": str(attempt),  # as torchrun names it: 0 on the first attempt
     }
     if "OMP_NUM_THREADS" not in os.environ:
         common["OMP_NUM_THREADS"] = str(max(1, environment.cpu_count() // nproc))
@@ -101,28 +102,75 @@ def launch(
     start_method: str,
     timeout: Any,
     options: RunOptions,
+    max_restarts: int = 0,
 ) -> Any:
-    """Run ``fn(*args, **kwargs)`` in ``nproc`` new workers; return rank 0's result."""
+    """Run ``fn(*args, **kwargs)`` in ``nproc`` new workers; return rank 0's result.
+
+    After a failure the whole group starts again, up to ``max_restarts`` times (not for errors
+    that would only repeat: a bad configuration, something that cannot be pickled).
+    """
     method, _reason = choose_start_method(start_method, backend)
+    payload = None
+    if method == "spawn":  # pickle once, before anything starts: an unpicklable argument fails here
+        payload = transport.dumps_job(
+            _worker.Job(fn, args, kwargs, backend, timeout, options, ""), fn, args, kwargs
+        )
+    for attempt in range(max_restarts + 1):
+        try:
+            return _run_once(fn, args, kwargs, nproc, backend, timeout, options, method, payload, attempt)
+        except (ConfigurationError, SerializationError, KeyboardInterrupt):
+            raise
+        except BaseException as error:
+            if attempt == max_restarts or not isinstance(error, Exception):
+                raise
+            _say(
+                f"{_one_line(error)}; restarting all {nproc} workers "
+                f"(restart {attempt + 1} of {max_restarts})"
+            )
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _run_once(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    nproc: int,
+    backend: Backend,
+    timeout: Any,
+    options: RunOptions,
+    method: str,
+    payload: bytes | None,
+    attempt: int,
+) -> Any:
     with transport.run_folder() as folder:
-        job = _worker.Job(fn, args, kwargs, backend, timeout, options, folder)
-        if method == "spawn":
-            transport.save_job(folder, transport.dumps_job(job, fn, args, kwargs))
+        if payload is not None:
+            transport.save_job(folder, payload)
             entry: Callable[..., Any] | str = sys.executable
-            entry_args = {r: ("-m", "autoddp._worker_main", folder) for r in range(nproc)}
+            entry_args: dict[int, tuple] = {r: ("-m", "autoddp._worker_main", folder) for r in range(nproc)}
         else:
             entry = _worker.run_forked
+            job = _worker.Job(fn, args, kwargs, backend, timeout, options, folder)
             entry_args = {r: (job,) for r in range(nproc)}
-        with _loopback_store(nproc) as port:
-            envs = worker_envs(nproc, port, uuid.uuid4().hex)
+        with loopback_store(nproc) as port:
+            envs = worker_envs(nproc, port, uuid.uuid4().hex, attempt)
             context, result = _supervise(entry, entry_args, envs, method)
         if result.is_failed():
             raise _first_failure(context, result, folder, nproc)
         return transport.load_result(folder)
 
 
+def _say(message: str) -> None:
+    """One line for the user on stderr."""
+    print(f"autoddp: {message}", file=sys.stderr, flush=True)
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
 @contextlib.contextmanager
-def _loopback_store(nproc: int) -> Iterator[int]:
+def loopback_store(nproc: int) -> Iterator[int]:
     """The rendezvous store of a single-node run, hosted here and reachable from this machine only.
 
     The listening socket is bound to loopback before torch's TCPStore takes it over (a TCPStore
@@ -155,6 +203,8 @@ def _loopback_store(nproc: int) -> Iterator[int]:
             nproc,
             is_master=True,
             wait_for_workers=False,
+            # shared with any other store this process opens on the port (elastic's rendezvous)
+            multi_tenant=True,
             master_listen_fd=listener.fileno(),
         )
     except BaseException:
@@ -175,25 +225,29 @@ def _supervise(entry: Any, entry_args: dict, envs: dict, method: str) -> Any:
     with _caller_signal_handlers_kept(), elastic_logs_quiet():
         for stream in (sys.stdout, sys.stderr):
             stream.flush()  # forked children must not inherit unflushed output
-        context = start_processes(
-            name="autoddp",
-            entrypoint=entry,
-            args=entry_args,
-            envs=envs,
-            logs_specs=DefaultLogsSpecs(log_dir=os.devnull),
-            start_method="fork" if method == "fork" else "spawn",
-        )
+        context = None
         try:
+            context = start_processes(
+                name="autoddp",
+                entrypoint=entry,
+                args=entry_args,
+                envs=envs,
+                logs_specs=DefaultLogsSpecs(log_dir=os.devnull),
+                start_method="fork" if method == "fork" else "spawn",
+            )
             return context, context.wait(period=_POLL_SECONDS)
-        except SignalException as exc:
-            context.close(timeout=_STOP_GRACE_SECONDS)
+        except SignalException as exc:  # (start_processes closes its workers itself if it fails)
+            if context is not None:
+                context.close(timeout=_STOP_GRACE_SECONDS)
             stopped_by = exc.sigval
         except BaseException:
-            context.close(timeout=_STOP_GRACE_SECONDS)
+            if context is not None:
+                context.close(timeout=_STOP_GRACE_SECONDS)
             raise
     # Handlers are the caller's again: act on the signal as the caller's process would have.
+    _say(f"{stopped_by.name} received: stopped all workers")
     if stopped_by == signal.SIGINT:
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt from None
     signal.raise_signal(stopped_by)
     raise WorkerError(f"workers stopped by {stopped_by.name}", rank=-1, exitcode=None, signal=stopped_by.name)
 
@@ -220,7 +274,7 @@ def elastic_logs_quiet() -> Iterator[None]:
     loggers = [
         logging.getLogger(name)
         for name in list(logging.Logger.manager.loggerDict)
-        if name.startswith("torch.distributed.elastic")
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing"))
     ]
     previous = [logger.disabled for logger in loggers]
     for logger in loggers:
@@ -267,11 +321,30 @@ def _first_failure(context: Any, result: Any, folder: str, world_size: int) -> B
         error = _death_error(first.local_rank, first.exitcode, first.pid, world_size)
         entries.append((False, detected_at, first.local_rank, error, str(error)))
     entries.sort(key=lambda e: (e[0], e[1]))
-    lead = entries[0][3]
+    lead_rank, lead = entries[0][2], entries[0][3]
     others = [f"rank {rank}: {summary}" for _, _, rank, _, summary in entries[1:]]
     if others and hasattr(lead, "add_note"):
         lead.add_note("autoddp: other ranks also failed: " + "; ".join(others))
+    report = reports.get(lead_rank)
+    if report is not None and report.is_timeout and hasattr(lead, "add_note"):
+        _explain_timeout(lead, folder, codes, reports)
     return lead
+
+
+def _explain_timeout(lead: BaseException, folder: str, codes: dict[int, int | None], reports: dict) -> None:
+    """Name the ranks that never reached the collective, and show where they were."""
+    stuck = sorted(r for r, code in codes.items() if r not in reports and code == -signal.SIGTERM)
+    if not stuck:
+        return
+    lead.add_note(
+        f"autoddp: a collective timed out; rank(s) {', '.join(map(str, stuck))} had not arrived "
+        "(still running elsewhere when autoddp stopped them). Raise timeout= in @distributed if the "
+        "first steps are legitimately slow."
+    )
+    for rank in stuck:
+        stack = transport.read_stack(folder, rank)
+        if stack:
+            lead.add_note(f"autoddp: where rank {rank} was when stopped:\n{stack}")
 
 
 def _death_error(rank: int, code: int | None, pid: int | None, world_size: int) -> WorkerError:

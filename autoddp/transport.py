@@ -180,6 +180,11 @@ class ErrorReport:
     pickled: bytes | None
 
     @property
+    def is_timeout(self) -> bool:
+        """True for a collective that gave up waiting for the other ranks."""
+        return "Timed out" in self.message or "timed out" in self.message or "Timeout" in self.type_name
+
+    @property
     def is_consequence(self) -> bool:
         """True for errors caused by another rank's failure: a collective losing its connection,
         or ``Rank0Error`` (rank 0's block failed; rank 0 reports the original)."""
@@ -224,10 +229,44 @@ def save_error(folder: str, rank: int, exc: BaseException) -> None:
         time=time.time(),
         type_name=_qualified_name(type(exc)),
         message=str(exc),
-        traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        traceback="".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__))),
         pickled=pickled,
     )
     write_private(os.path.join(folder, f"error-{rank}.pkl"), pickle.dumps(report))
+
+
+_WORKER_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
+
+
+def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """Drop the worker's own leading frames from a traceback: the user's frames remain."""
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename == _WORKER_FILE:
+        tb = tb.tb_next
+    return tb
+
+
+def user_stack(stack: str) -> str:
+    """A faulthandler dump (most recent call first) cut before the worker's own frames."""
+    kept = []
+    for line in stack.splitlines():
+        if _WORKER_FILE in line:
+            break
+        kept.append(line)
+    return "\n".join(kept)
+
+
+def stack_path(folder: str, rank: int) -> str:
+    """Where a worker's stacks are written when autoddp stops it."""
+    return os.path.join(folder, f"stack-{rank}.txt")
+
+
+def read_stack(folder: str, rank: int) -> str:
+    """The stacks a stopped worker wrote, or '' if it wrote none."""
+    try:
+        with open(stack_path(folder, rank)) as handle:
+            return user_stack(handle.read().strip())
+    except OSError:
+        return ""
 
 
 def load_errors(folder: str) -> dict[int, ErrorReport]:
