@@ -74,7 +74,7 @@ def wrap_model(
             UserWarning,
             stacklevel=4,
         )
-    device_ids = [world.local_rank] if world.device.startswith("cuda") else None
+    device_ids = [torch.device(world.device).index] if world.device.startswith("cuda") else None
     ddp = torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **dict(ddp_kwargs or {}))
     object.__setattr__(module, _DDP_ATTR, ddp)
     module.__class__ = _wrapped_class(type(module))

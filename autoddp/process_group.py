@@ -79,9 +79,13 @@ def joined(
     """
     import torch.distributed as dist
 
-    device = f"cuda:{world.local_rank}" if backend.use_cuda else "cpu"
     if backend.use_cuda:
-        torch.cuda.set_device(world.local_rank)
+        # the environment's choice: cuda:<local rank>, or the one GPU a scheduler bound to this task
+        index = int(world.device.split(":")[1]) if world.device.startswith("cuda:") else world.local_rank
+        device = f"cuda:{index}"
+        torch.cuda.set_device(index)
+    else:
+        device = "cpu"
     created = False
     if world.world_size > 1 and not dist.is_initialized():
         kwargs = {}

@@ -34,16 +34,20 @@ def no_leftover_processes():
 
 @pytest.fixture(autouse=True)
 def _clean_launcher_env(monkeypatch):
-    """Tests start as plain processes, whatever launched pytest."""
-    for name in (
+    """Tests start as plain processes, whatever launched pytest (torchrun, srun, mpirun...)."""
+    launcher = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "TORCHELASTIC_", "AUTODDP_")
+    single = (
         "RANK",
         "WORLD_SIZE",
         "LOCAL_RANK",
         "LOCAL_WORLD_SIZE",
-        "AUTODDP_RUN_ID",
-        "TORCHELASTIC_RUN_ID",
-    ):
-        monkeypatch.delenv(name, raising=False)
+        "GROUP_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    )
+    for name in list(os.environ):
+        if name.startswith(launcher) or name in single:
+            monkeypatch.delenv(name)
 
 
 def run_python(

@@ -1,0 +1,217 @@
+"""``autoddp env``: one readable block about this machine and launch environment, for bug reports.
+
+It says what autoddp would do here and why: versions, GPUs, the detected launcher and the
+variables behind that decision, the world it implies, the backend, the start method and where
+rank 0's port comes from. It reports problems instead of raising them.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import textwrap
+from collections.abc import Callable, Mapping
+
+import torch
+
+from autoddp import environment
+
+_WIDTH = 100
+_LABEL = 15
+
+#: Variables worth seeing in a bug report when set (launcher variables are shown under "why").
+_SETTINGS = (
+    "CUDA_VISIBLE_DEVICES",
+    "OMP_NUM_THREADS",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NCCL_SOCKET_IFNAME",
+    "GLOO_SOCKET_IFNAME",
+    "NCCL_DEBUG",
+    "TORCH_DISTRIBUTED_DEBUG",
+)
+
+
+def describe(environ: Mapping[str, str] | None = None, *, name_gpus: bool = True) -> str:
+    """The report for ``environ`` (default: this process's environment), ready to paste.
+
+    Versions and GPUs are this process's own. Naming the GPUs initialises CUDA here (a later
+    ``@distributed`` call then starts workers as fresh interpreters, not by fork), so it is
+    done last and only when a GPU is visible; ``name_gpus=False`` counts them only.
+    """
+    environ = os.environ if environ is None else environ
+    try:
+        gpus = environment.gpu_count()
+    except Exception:
+        gpus = 0
+    # Before anything that may initialise CUDA: the start method depends on it.
+    backend = _safe(lambda: _backend(gpus))
+    start = _safe(lambda: _start_method(gpus))
+    launch = _launch_section(environ, gpus, backend, start)
+    versions = [
+        ("python", _safe(_python)),
+        ("platform", _safe(platform.platform)),
+        ("torch", _safe(lambda: torch.__version__)),
+        ("CUDA", _safe(_cuda_version)),
+        ("NCCL", _safe(_nccl_version)),
+        ("distributed", _safe(_distributed_backends)),
+        ("GPUs", _safe(lambda: _gpus(gpus, name_gpus))),
+        ("CPUs", _safe(lambda: f"{environment.cpu_count()} usable by this process")),
+    ]
+    settings = ", ".join(f"{name}={environ[name]!r}" for name in _SETTINGS if name in environ)
+    return "\n".join(
+        [
+            f"autoddp {_safe(_autoddp_version)} environment report",
+            *_rows(versions, indent=2),
+            *launch,
+            *_rows([("settings", settings or "none of " + ", ".join(_SETTINGS) + " is set")], indent=0),
+        ]
+    )
+
+
+def _launch_section(environ: Mapping[str, str], gpus: int, backend: str, start: str) -> list[str]:
+    try:
+        env = environment.detect(environ)
+    except Exception as error:  # a half-set environment: show it, do not raise
+        return _rows(
+            [
+                ("environment", f"broken: {error}"),
+                ("backend", backend),
+                ("start method", start),
+            ],
+            indent=0,
+        )
+    what = "launched: @distributed runs in place" if env.launched else "@distributed starts its own workers"
+    rows = [("environment", f"{env.name}; {what}"), ("  why", _safe(env.explain))]
+    try:
+        world = env.world()
+    except Exception as error:
+        rows.append(("  world", f"broken: {error}"))
+    else:
+        rows.append(
+            (
+                "  world",
+                f"rank {world.rank} of {world.world_size}, local rank {world.local_rank} of "
+                f"{world.local_world_size}, node {world.node_rank}, device {world.device}",
+            )
+        )
+        if env.launched:
+            address = (
+                f"{world.master_addr}:{world.master_port}"
+                if world.master_addr and world.master_port
+                else f"unknown (MASTER_ADDR={world.master_addr}, MASTER_PORT={world.master_port}): "
+                "set both for every process"
+            )
+            rows.append(("  rank 0 at", address))
+        rows.append(("  processes", _processes(env.launched, world.world_size, gpus)))
+    rows.append(("  backend", backend))
+    if env.launched:
+        start = f"{start}; not used here: the launcher started the processes"
+    rows.append(("  start method", start))
+    rows.append(("  port policy", _safe(env.port_policy)))
+    return _rows(rows, indent=0)
+
+
+def _processes(launched: bool, world_size: int, gpus: int) -> str:
+    if launched:
+        return f"{world_size}, started by the launcher; each runs the decorated function in place"
+    if gpus > 1:
+        return f"@distributed starts {gpus} workers, one per GPU (nproc= to change)"
+    return "1: the decorated function runs in this process (nproc=N starts N workers)"
+
+
+def _rows(rows: list[tuple[str, str]], indent: int) -> list[str]:
+    out = []
+    for label, value in rows:
+        head = " " * indent + label
+        first = head.ljust(_LABEL) if len(head) < _LABEL else head + " "
+        wrapped = textwrap.wrap(
+            str(value),
+            width=_WIDTH,
+            initial_indent=first,
+            subsequent_indent=" " * _LABEL,
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+        out += wrapped or [first.rstrip()]
+    return out
+
+
+def _safe(fn: Callable[[], object]) -> str:
+    """``str(fn())``, or a one-line description of its failure: the report must never raise."""
+    try:
+        return str(fn())
+    except Exception as error:
+        return f"unavailable ({type(error).__name__}: {error})"
+
+
+def _autoddp_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("autoddp")
+    except PackageNotFoundError:
+        import autoddp
+
+        return autoddp.__version__
+
+
+def _python() -> str:
+    return f"{platform.python_version()} ({platform.python_implementation()}) {sys.executable}"
+
+
+def _cuda_version() -> str:
+    if torch.version.cuda:
+        return torch.version.cuda
+    hip = getattr(torch.version, "hip", None)
+    return f"not built (ROCm/HIP {hip})" if hip else "not built"
+
+
+def _nccl_version() -> str:
+    import torch.distributed as dist
+
+    if not torch.backends.cuda.is_built() or not dist.is_available() or not dist.is_nccl_available():
+        return "not built"
+    version = torch.cuda.nccl.version()
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def _distributed_backends() -> str:
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return "not built into this torch"
+    available = {
+        "gloo": dist.is_gloo_available(),
+        "nccl": dist.is_nccl_available(),
+        "mpi": dist.is_mpi_available(),
+    }
+    return "backends: " + ", ".join(f"{name} {'yes' if ok else 'no'}" for name, ok in available.items())
+
+
+def _gpus(count: int, name_gpus: bool) -> str:
+    if count == 0:
+        return "none (CUDA not built into this torch)" if not torch.backends.cuda.is_built() else "none"
+    if not name_gpus:
+        return f"{count} (names not read: that would initialise CUDA)"
+    names = []
+    for index in range(count):
+        props = torch.cuda.get_device_properties(index)
+        names.append(f"cuda:{index} {props.name} ({props.total_memory / 2**30:.0f} GiB)")
+    return f"{count}: " + ", ".join(names)
+
+
+def _backend(gpus: int) -> str:
+    from autoddp import process_group
+
+    backend = process_group.resolve_backend(None, gpus)
+    why = "CUDA tensors on NCCL, CPU tensors on gloo" if backend.use_cuda else "no GPU: CPU processes"
+    return f"{backend.label} ({why}; backend= to change)"
+
+
+def _start_method(gpus: int) -> str:
+    from autoddp import launch, process_group
+
+    method, reason = launch.choose_start_method("auto", process_group.resolve_backend(None, gpus))
+    return f"{method} ({reason})"

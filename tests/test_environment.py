@@ -1,0 +1,633 @@
+"""Where-am-I detection: each launcher's variables as it sets them, then real in-place worlds."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import types
+import uuid
+
+import pytest
+
+from autoddp import ConfigurationError, environment
+from autoddp.environment import (
+    MPICH,
+    PORT_BASE,
+    PORT_SPAN,
+    AutoDDPWorker,
+    OpenMPI,
+    Plain,
+    RankEnv,
+    SlurmAllocation,
+    SlurmStep,
+    TorchElastic,
+    detect,
+    expand_hostlist,
+    first_host,
+    shared_port,
+    slurm_port,
+)
+from autoddp.report import describe
+from conftest import run_python, write
+
+LAUNCHER_PREFIXES = ("SLURM_", "SLURMD_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "TORCHELASTIC_", "AUTODDP_")
+LAUNCHER_NAMES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def _read_only(env: dict[str, str]) -> types.MappingProxyType:
+    """Detection gets a read-only mapping: nothing may write to the environment it reads."""
+    return types.MappingProxyType(dict(env))
+
+
+def found(env: dict[str, str]) -> environment.Environment:
+    return detect(_read_only(env))
+
+
+def srun_task(
+    rank: int,
+    ntasks: int = 2,
+    nodes: list[str] | None = None,
+    job_id: int = 4242,
+    job_nodelist: str | None = None,
+    **extra: str,
+) -> dict[str, str]:
+    """The SLURM variables srun gives task ``rank`` of a step (block distribution, as srun's default)."""
+    nodes = nodes or ["localhost"]
+    per_node = [ntasks // len(nodes) + (1 if i < ntasks % len(nodes) else 0) for i in range(len(nodes))]
+    node, first = 0, 0
+    while rank >= first + per_node[node]:
+        first += per_node[node]
+        node += 1
+    compact = ",".join(str(n) for n in per_node)
+    nodelist = job_nodelist or ",".join(nodes)
+    return {
+        "SLURM_JOB_ID": str(job_id),
+        "SLURM_JOBID": str(job_id),
+        "SLURM_JOB_NAME": "train",
+        "SLURM_JOB_NODELIST": nodelist,
+        "SLURM_NODELIST": nodelist,
+        "SLURM_JOB_NUM_NODES": str(len(nodes)),
+        "SLURM_NNODES": str(len(nodes)),
+        "SLURM_NTASKS": str(ntasks),
+        "SLURM_NPROCS": str(ntasks),
+        "SLURM_TASKS_PER_NODE": compact,
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEPID": "0",
+        "SLURM_STEP_NODELIST": nodelist,
+        "SLURM_STEP_NUM_NODES": str(len(nodes)),
+        "SLURM_STEP_NUM_TASKS": str(ntasks),
+        "SLURM_STEP_TASKS_PER_NODE": compact,
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank - first),
+        "SLURM_NODEID": str(node),
+        "SLURMD_NODENAME": nodes[node],
+        "SLURM_CPUS_ON_NODE": "8",
+        **extra,
+    }
+
+
+def salloc_shell(ntasks: int = 4, job_id: int = 777) -> dict[str, str]:
+    """What an ``salloc -n 4`` shell sees: the allocation, no step, no task id."""
+    return {
+        "SLURM_JOB_ID": str(job_id),
+        "SLURM_JOBID": str(job_id),
+        "SLURM_JOB_NAME": "interactive",
+        "SLURM_JOB_NODELIST": "gpu[01-02]",
+        "SLURM_NODELIST": "gpu[01-02]",
+        "SLURM_NNODES": "2",
+        "SLURM_NTASKS": str(ntasks),
+        "SLURM_NPROCS": str(ntasks),
+        "SLURM_TASKS_PER_NODE": "2(x2)",
+    }
+
+
+def open_mpi_rank(rank: int, size: int = 4, local_size: int = 4, namespace: str = "prterun-host-4711@1"):
+    """The variables Open MPI's mpirun gives a rank (ranks placed node by node)."""
+    return {
+        "OMPI_COMM_WORLD_RANK": str(rank),
+        "OMPI_COMM_WORLD_SIZE": str(size),
+        "OMPI_COMM_WORLD_LOCAL_RANK": str(rank % local_size),
+        "OMPI_COMM_WORLD_LOCAL_SIZE": str(local_size),
+        "OMPI_COMM_WORLD_NODE_RANK": str(rank % local_size),
+        "OMPI_UNIVERSE_SIZE": str(size),
+        "OMPI_FIRST_RANKS": "0",
+        "OMPI_APP_CTX_NUM_PROCS": str(size),
+        "PMIX_RANK": str(rank),
+        "PMIX_NAMESPACE": namespace,
+        "OMPI_MCA_ess_base_vpid": str(rank),
+    }
+
+
+def hydra_rank(rank: int, size: int = 4, local_size: int = 4, **extra: str) -> dict[str, str]:
+    """The variables MPICH's / Intel MPI's Hydra mpiexec gives a rank."""
+    return {
+        "PMI_RANK": str(rank),
+        "PMI_SIZE": str(size),
+        "PMI_FD": "6",
+        "MPI_LOCALRANKID": str(rank % local_size),
+        "MPI_LOCALNRANKS": str(local_size),
+        **extra,
+    }
+
+
+def torchrun_worker(rank: int, world_size: int = 8, local_world_size: int = 4) -> dict[str, str]:
+    return {
+        "TORCHELASTIC_RUN_ID": "job-1",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank % local_world_size),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "GROUP_RANK": str(rank // local_world_size),
+        "MASTER_ADDR": "node01",
+        "MASTER_PORT": "29400",
+    }
+
+
+# -- SLURM -----------------------------------------------------------------------------------
+
+
+def test_slurm_multitask_step_over_two_nodes():
+    env = found(srun_task(3, ntasks=4, nodes=["gpu07", "gpu08"], job_id=1234567, job_nodelist="gpu[07-08]"))
+    assert isinstance(env, SlurmStep) and env.launched
+    world = env.world()
+    assert (world.rank, world.local_rank, world.world_size) == (3, 1, 4)
+    assert (world.local_world_size, world.node_rank) == (2, 1)
+    assert (world.master_addr, world.master_port) == ("gpu07", 24567)
+    explanation = env.explain()
+    assert "SLURM_PROCID=3" in explanation and "srun step of 4 tasks" in explanation
+    assert (
+        "first host of SLURM_STEP_NODELIST" in explanation and "20000 + SLURM_JOB_ID % 10000" in explanation
+    )
+
+
+def test_slurm_uneven_tasks_per_node():
+    # 5 tasks on 2 nodes: srun writes SLURM_STEP_TASKS_PER_NODE=3,1 -> here "3,2" (block layout)
+    env = found(srun_task(4, ntasks=5, nodes=["a1", "a2"]))
+    world = env.world()
+    assert (world.node_rank, world.local_rank, world.local_world_size) == (1, 1, 2)
+    compact = found(
+        {**srun_task(7, ntasks=8, nodes=["a1", "a2", "a3"]), "SLURM_STEP_TASKS_PER_NODE": "3(x2),2"}
+    )
+    assert compact.world().local_world_size == 2
+
+
+def test_every_task_of_a_step_agrees_on_rank_zero():
+    worlds = [found(srun_task(r, ntasks=4, nodes=["n1", "n2"], job_id=98765)).world() for r in range(4)]
+    assert {(w.master_addr, w.master_port, w.world_size) for w in worlds} == {("n1", 28765, 4)}
+    assert sorted(w.rank for w in worlds) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "env, why",
+    [
+        (salloc_shell(), "salloc shell"),
+        # the batch script itself: slurmstepd gives it task variables but it is no srun step
+        ({**salloc_shell(), "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}, "batch script"),
+        (
+            {**srun_task(0, ntasks=4), "SLURM_STEP_ID": "4294967294", "SLURM_STEPID": "4294967294"},
+            "batch script",
+        ),
+        (
+            {**srun_task(0, ntasks=4), "SLURM_STEP_ID": "4294967290", "SLURM_STEPID": "4294967290"},
+            "interactive",
+        ),
+        (srun_task(0, ntasks=1), "single-task srun step"),  # srun --pty bash, srun -n1 python ...
+    ],
+    ids=["salloc", "batch-script", "batch-step-id", "interactive-step", "one-task-step"],
+)
+def test_slurm_allocation_without_a_multitask_step_is_not_launched(env, why):
+    found_env = found(env)
+    assert isinstance(found_env, SlurmAllocation) and not found_env.launched
+    assert found_env.world().world_size == 1
+    explanation = found_env.explain()
+    assert why in explanation
+    assert "Not a multi-task step" in explanation and "starts its own workers" in explanation
+
+
+def test_salloc_with_many_tasks_says_how_to_use_them():
+    explanation = found(salloc_shell(ntasks=4)).explain()
+    assert "SLURM_NTASKS=4" in explanation and "only srun starts them" in explanation
+
+
+@pytest.mark.parametrize(
+    "text, hosts",
+    [
+        ("localhost", ["localhost"]),
+        ("node[01-03,7],gpu5", ["node01", "node02", "node03", "node7", "gpu5"]),
+        ("n[8-10]", ["n8", "n9", "n10"]),
+        ("n[08-10]", ["n08", "n09", "n10"]),
+        ("gpu[009-011]-ib", ["gpu009-ib", "gpu010-ib", "gpu011-ib"]),
+        ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
+        (" a1 , b[2] ,", ["a1", "b2"]),
+        ("x-1.cluster,y[3,1]", ["x-1.cluster", "y3", "y1"]),
+    ],
+)
+def test_hostlist_expansion(text, hosts):
+    assert expand_hostlist(text) == hosts
+    assert first_host(text) == hosts[0]
+
+
+@pytest.mark.parametrize("text", ["node[01-03", "node]1", "node[a-b]", "node[3-1]", "node[]", "", " , "])
+def test_bad_hostlist_names_the_fix(text):
+    with pytest.raises(ConfigurationError, match="MASTER_ADDR"):
+        first_host(text)
+
+
+def test_first_host_does_not_expand_the_whole_list():
+    start = time.monotonic()
+    assert first_host("n[0-999999999],m1") == "n0"
+    assert time.monotonic() - start < 1
+
+
+def test_port_from_job_id_is_stable_and_in_range():
+    assert slurm_port("1234567") == 24567 == slurm_port("1234567")
+    ports = [slurm_port(str(job)) for job in range(5_000_000, 5_010_000)]
+    assert len(set(ports)) == PORT_SPAN  # consecutive jobs sharing a node never collide
+    assert min(ports) == PORT_BASE and max(ports) == PORT_BASE + PORT_SPAN - 1 < 32768
+    assert PORT_BASE >= 1024
+    with pytest.raises(ConfigurationError, match="MASTER_PORT"):
+        slurm_port("12_3")
+
+
+def test_shared_port_is_stable_and_in_range():
+    keys = [f"prterun-host-{n}@1" for n in range(2000)]
+    ports = [shared_port(key) for key in keys]
+    assert ports == [shared_port(key) for key in keys]
+    assert all(PORT_BASE <= p < PORT_BASE + PORT_SPAN for p in ports)
+    assert len(set(ports)) > 1800
+
+
+def test_master_addr_and_port_override_slurm():
+    env = found(srun_task(1, ntasks=2, MASTER_ADDR="10.0.0.5", MASTER_PORT="31000"))
+    assert isinstance(env, SlurmStep)
+    world = env.world()
+    assert (world.master_addr, world.master_port) == ("10.0.0.5", 31000)
+    assert "MASTER_ADDR=10.0.0.5" in env.explain() and "31000 (MASTER_PORT)" in env.explain()
+    for bad in ("http", "70000", "0"):
+        with pytest.raises(ConfigurationError, match="MASTER_PORT"):
+            found(srun_task(1, ntasks=2, MASTER_PORT=bad)).world()
+
+
+def test_slurm_step_without_job_id_or_nodelist_names_the_fix():
+    env = srun_task(0, ntasks=2)
+    for name in ("SLURM_JOB_ID", "SLURM_JOBID"):
+        del env[name]
+    with pytest.raises(ConfigurationError, match="set MASTER_PORT"):
+        found(env).world()
+    env = srun_task(0, ntasks=2)
+    for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        del env[name]
+    with pytest.raises(ConfigurationError, match="set MASTER_ADDR"):
+        found(env).world()
+
+
+def test_impossible_slurm_task_ids_are_refused():
+    with pytest.raises(ConfigurationError, match="start the job with srun"):
+        found({**srun_task(1, ntasks=2), "SLURM_PROCID": "5"}).world()
+
+
+# -- MPI -------------------------------------------------------------------------------------
+
+
+def test_open_mpi_on_one_node_uses_loopback_and_a_shared_port():
+    worlds = [found(open_mpi_rank(r)) for r in range(4)]
+    assert all(isinstance(env, OpenMPI) and env.launched for env in worlds)
+    ranks = [env.world() for env in worlds]
+    assert [(w.rank, w.local_rank, w.world_size, w.local_world_size) for w in ranks][2] == (2, 2, 4, 4)
+    assert {(w.master_addr, w.master_port) for w in ranks} == {
+        ("127.0.0.1", shared_port("prterun-host-4711@1"))
+    }
+    assert "crc32(PMIX_NAMESPACE)" in worlds[0].explain()
+
+
+def test_open_mpi_4_job_id_also_gives_a_port():
+    env = open_mpi_rank(1, size=2, local_size=2)
+    del env["PMIX_NAMESPACE"]
+    env["OMPI_MCA_orte_hnp_uri"] = "2473721856.0;tcp://10.1.1.1:40433"
+    assert found(env).world().master_port == shared_port(env["OMPI_MCA_orte_hnp_uri"])
+
+
+def test_mpich_and_intel_mpi():
+    env = found(hydra_rank(1, size=2, local_size=2, PMI_PORT="host1:41234"))
+    assert isinstance(env, MPICH) and env.launched
+    world = env.world()
+    assert (world.rank, world.local_rank, world.world_size) == (1, 1, 2)
+    assert (world.master_addr, world.master_port) == ("127.0.0.1", shared_port("host1:41234"))
+    with pytest.raises(ConfigurationError, match=r"MASTER_PORT.*mpiexec -genv"):
+        found(hydra_rank(1, size=2, local_size=2)).world()  # PMI_FD only: nothing shared to derive from
+    fixed = found(hydra_rank(1, size=2, local_size=2, MASTER_PORT="29777")).world()
+    assert (fixed.master_addr, fixed.master_port) == ("127.0.0.1", 29777)
+
+
+def test_mpi_over_several_nodes_needs_master_addr():
+    with pytest.raises(ConfigurationError, match=r"MASTER_ADDR.*mpirun -x MASTER_ADDR=") as info:
+        found(open_mpi_rank(5, size=8, local_size=4)).world()
+    assert "several machines" in str(info.value)
+    with pytest.raises(ConfigurationError, match=r"MASTER_ADDR.*mpiexec -genv MASTER_ADDR"):
+        found(hydra_rank(5, size=8, local_size=4)).world()
+    assert "Broken:" in found(open_mpi_rank(5, size=8, local_size=4)).explain()
+    world = found({**open_mpi_rank(5, size=8, local_size=4), "MASTER_ADDR": "node01"}).world()
+    assert (world.master_addr, world.node_rank, world.local_rank) == ("node01", 1, 1)
+    assert world.master_port == shared_port("prterun-host-4711@1")  # the namespace is job-wide
+
+
+def test_pmi_without_local_ranks_names_the_fix():
+    with pytest.raises(ConfigurationError, match="MPI_LOCALRANKID"):
+        found({"PMI_RANK": "1", "PMI_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}).world()
+
+
+@pytest.mark.parametrize("env", [open_mpi_rank(0, size=1, local_size=1), hydra_rank(0, size=1, local_size=1)])
+def test_mpi_world_of_one_process_is_plain(env):
+    found_env = found(env)
+    assert isinstance(found_env, Plain) and not found_env.launched
+    assert "MPI world of one process" in found_env.explain()
+
+
+def test_mpirun_inside_a_slurm_allocation_is_mpi():
+    # mpirun started its daemons with srun (one task per node); the ranks inherit that step's variables
+    daemons = srun_task(1, ntasks=2, nodes=["n1", "n2"])
+    env = found({**daemons, **open_mpi_rank(6, size=8, local_size=4), "MASTER_ADDR": "n1"})
+    assert isinstance(env, OpenMPI)
+    assert env.world().world_size == 8
+    assert "SLURM variables describe the step that started the MPI daemons" in env.explain()
+
+
+def test_srun_direct_mpi_launch_is_slurm():
+    # srun --mpi=pmi2: PMI variables describe the same world; SLURM's node list gives the address
+    env = found({**srun_task(1, ntasks=2, nodes=["n1", "n2"]), **hydra_rank(1, size=2, local_size=1)})
+    assert isinstance(env, SlurmStep)
+    assert env.world().master_addr == "n1"
+
+
+# -- torchrun, autoddp, operators, wrappers ----------------------------------------------------
+
+
+def test_torchrun_inside_srun_is_torchrun():
+    env = found({**srun_task(1, ntasks=2, nodes=["node01", "node02"]), **torchrun_worker(5)})
+    assert isinstance(env, TorchElastic) and env.launched
+    world = env.world()
+    assert (world.rank, world.local_rank, world.world_size, world.node_rank) == (5, 1, 8, 1)
+    assert (world.master_addr, world.master_port) == ("node01", 29400)
+    assert "inside a SLURM step" in env.explain()
+
+
+def test_autoddp_worker_inside_a_slurm_allocation():
+    worker = {
+        "AUTODDP_RUN_ID": "abc",
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+    }
+    env = found({**srun_task(0, ntasks=1), **worker, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "40000"})
+    assert isinstance(env, AutoDDPWorker)
+    world = env.world()
+    assert (world.rank, world.world_size, world.master_addr, world.master_port) == (1, 2, "127.0.0.1", 40000)
+    assert "operating system picked" in env.port_policy()
+
+
+def test_kubeflow_pytorchjob_replica():
+    pod = {
+        "MASTER_ADDR": "mnist-master-0",
+        "MASTER_PORT": "23456",
+        "WORLD_SIZE": "3",
+        "RANK": "2",
+        "PYTHONUNBUFFERED": "1",
+        "KUBERNETES_SERVICE_HOST": "10.96.0.1",
+    }
+    env = found(pod)
+    assert isinstance(env, RankEnv) and env.launched
+    world = env.world()
+    assert (world.rank, world.world_size, world.local_rank, world.local_world_size) == (2, 3, 0, 1)
+    assert (world.node_rank, world.master_addr, world.master_port) == (2, "mnist-master-0", 23456)
+    assert "one process per pod" in env.explain()
+    # a script on one machine that sets RANK/WORLD_SIZE only: local rank = rank, as before
+    script = found({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}).world()
+    assert (script.local_rank, script.local_world_size) == (1, 2)
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"RANK": "1"}, "RANK is set but WORLD_SIZE is not"),
+        ({"WORLD_SIZE": "2"}, "WORLD_SIZE is set but RANK is not"),
+        ({**srun_task(1, ntasks=2), "RANK": "1"}, "RANK is set but WORLD_SIZE is not"),
+    ],
+)
+def test_half_set_rank_variables_are_refused(env, message):
+    with pytest.raises(ConfigurationError, match=message):
+        found(env)
+
+
+def test_rank_set_by_a_wrapper_in_a_slurm_step():
+    same = found({**srun_task(1, ntasks=2), "RANK": "1", "WORLD_SIZE": "2"})
+    assert isinstance(same, SlurmStep) and same.world().master_addr == "localhost"
+    # `export RANK=$SLURM_PROCID` in the batch script gave every task RANK=0: SLURM's rank is used
+    stale = found({**srun_task(1, ntasks=2), "RANK": "0", "WORLD_SIZE": "2"})
+    assert isinstance(stale, SlurmStep) and stale.world().rank == 1
+    assert "RANK=0 disagrees with SLURM_PROCID=1" in stale.explain()
+    # one task per node running its own per-GPU launcher: its world wins
+    inner = found({**srun_task(1, ntasks=2, nodes=["n1", "n2"]), "RANK": "9", "WORLD_SIZE": "16"})
+    assert isinstance(inner, RankEnv) and inner.world().world_size == 16
+    assert "a launcher inside it set RANK/WORLD_SIZE" in inner.explain()
+
+
+def test_plain_process():
+    env = found({"HOME": "/root", "CUDA_VISIBLE_DEVICES": "0,1"})
+    assert isinstance(env, Plain) and not env.launched
+    assert env.world().world_size == 1
+    assert "no launcher variables set" in env.explain()
+
+
+def test_gpu_assignment_and_idle_gpus(monkeypatch):
+    monkeypatch.setattr(environment, "gpu_count", lambda: 1)  # --gpus-per-task=1: each task sees one GPU
+    assert found(srun_task(3, ntasks=4)).world().device == "cuda:0"
+    monkeypatch.setattr(environment, "gpu_count", lambda: 4)  # every GPU of the node visible
+    assert found(srun_task(3, ntasks=4)).world().device == "cuda:3"
+    monkeypatch.setattr(environment, "gpu_count", lambda: 8)  # one task per node on an 8-GPU node
+    explanation = found(srun_task(1, ntasks=2, nodes=["n1", "n2"])).explain()
+    assert "7 GPU(s) stay idle" in explanation and "--ntasks-per-node=8" in explanation
+
+
+def test_detection_never_writes_the_environment():
+    before = dict(os.environ)
+    detect()
+    describe(name_gpus=False)
+    describe({**srun_task(0, ntasks=2)}, name_gpus=False)
+    assert dict(os.environ) == before
+
+
+# -- the report ------------------------------------------------------------------------------
+
+
+def plain_environ() -> dict[str, str]:
+    return {
+        k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_NAMES
+    }
+
+
+def flat(text: str) -> str:
+    """The report with its line wrapping undone."""
+    return " ".join(text.split())
+
+
+def test_report_in_a_plain_process():
+    text = describe(plain_environ(), name_gpus=False)  # this test process keeps CUDA untouched
+    labels = {line.split()[0] for line in text.splitlines()[1:] if line[:1].strip() or line[2:3].strip()}
+    assert {"python", "torch", "CUDA", "NCCL", "GPUs", "environment", "backend", "start", "port"} <= labels
+    gpus = environment.gpu_count()
+    assert ("GPUs none" if gpus == 0 else f"GPUs {gpus} (names not read") in flat(text)
+    assert "environment plain process; @distributed starts its own workers" in flat(text)
+    assert "why no launcher variables set" in flat(text)
+    assert "free port the operating system picks" in flat(text)
+    assert "start method fork" in flat(text) or "start method spawn" in flat(text)
+
+
+def test_report_under_slurm_names_the_step_and_why():
+    text = flat(describe({**plain_environ(), **srun_task(1, ntasks=2, job_id=31337)}, name_gpus=False))
+    assert "environment SLURM step (srun); launched: @distributed runs in place" in text
+    assert "why SLURM_PROCID=1" in text and "SLURM_STEP_NUM_TASKS=2" in text
+    assert "rank 1 of 2" in text and "rank 0 at localhost:21337" in text
+    assert "port policy 21337 (20000 + SLURM_JOB_ID % 10000)" in text
+
+
+@pytest.mark.parametrize(
+    "env", [{"RANK": "1"}, {"RANK": "x", "WORLD_SIZE": "2"}, open_mpi_rank(5, size=8, local_size=4)]
+)
+def test_report_never_raises(env):
+    text = describe({**plain_environ(), **env}, name_gpus=False)
+    assert "broken" in text.lower()
+
+
+# -- real processes: the launcher's variables, no launcher -------------------------------------
+
+IN_PLACE = """
+    import json, os
+    import psutil, torch, torch.distributed as dist
+    import autoddp
+    from autoddp import environment
+
+    @autoddp.distributed(backend="gloo", timeout=30)  # gloo: the same world with or without GPUs
+    def train():
+        t = torch.tensor([float(autoddp.rank() + 1)])
+        dist.all_reduce(t)
+        return {"pid": os.getpid(), "rank": autoddp.rank(), "world": autoddp.world_size(),
+                "sum": t.item(), "children": len(psutil.Process().children(recursive=True))}
+
+    env = environment.detect()
+    print(json.dumps({**train(), "main_pid": os.getpid(), "env": env.name}), flush=True)
+"""
+
+
+def _child_env(variables: dict[str, str]) -> dict[str, str]:
+    return {**plain_environ(), "OMP_NUM_THREADS": "1", **variables}
+
+
+def _run_together(script, envs: list[dict[str, str]], timeout: float = 60) -> list[dict]:
+    """Start one plain ``python script`` per environment at once, as a launcher would; their results."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for env in envs
+    ]
+    try:
+        outputs = [proc.communicate(timeout=timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    for proc, (_, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, err[-3000:]
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+
+
+def _free_derived_port(candidates) -> tuple[int, object]:
+    """The first candidate whose derived port is free here now (parallel test runs use others)."""
+    for candidate, port in candidates:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", port))
+            except OSError:
+                continue
+        return port, candidate
+    raise AssertionError("no free port in the derived range")  # pragma: no cover
+
+
+def _check_in_place(results: list[dict], name: str) -> None:
+    assert [r["rank"] for r in results] == [0, 1]
+    for result in results:
+        assert result["env"] == name
+        assert result["world"] == 2 and result["sum"] == 3.0  # 1 + 2: both processes took part
+        assert result["pid"] == result["main_pid"]  # ran in place
+        assert result["children"] == 0  # and started no process
+
+
+def test_two_srun_tasks_form_a_world_in_place(tmp_path):
+    jobs = (
+        (job, slurm_port(str(job)))
+        for job in (random.randrange(1, 9999) * PORT_SPAN + n for n in range(9999))
+    )
+    _, job_id = _free_derived_port(random.sample(list(jobs), 200))
+    script = write(tmp_path / "train.py", IN_PLACE)
+    envs = [_child_env(srun_task(rank, ntasks=2, job_id=job_id)) for rank in (0, 1)]
+    _check_in_place(_run_together(script, envs), SlurmStep.name)
+
+
+def test_two_open_mpi_ranks_form_a_world_in_place(tmp_path):
+    spaces = (f"prterun-test-{uuid.uuid4().hex}@1" for _ in range(200))
+    _, namespace = _free_derived_port((space, shared_port(space)) for space in spaces)
+    script = write(tmp_path / "train.py", IN_PLACE)
+    envs = [_child_env(open_mpi_rank(rank, size=2, local_size=2, namespace=namespace)) for rank in (0, 1)]
+    _check_in_place(_run_together(script, envs), OpenMPI.name)
+
+
+SINGLE_TASK = """
+    import json, os
+    import autoddp
+    from autoddp.report import describe
+
+    @autoddp.distributed(backend="gloo")  # one CPU process unless told otherwise, GPUs or not
+    def alone():
+        return os.getpid(), autoddp.world_size()
+
+    @autoddp.distributed(nproc=2, backend="gloo")
+    def pair():
+        return os.getpid(), autoddp.world_size()
+
+    result = {"main": os.getpid(), "alone": alone(), "pair": pair(), "report": describe()}
+    print(json.dumps(result), flush=True)
+"""
+
+
+def test_single_task_allocation_runs_as_one_process(tmp_path, monkeypatch):
+    for name in list(os.environ):
+        if name.startswith(LAUNCHER_PREFIXES) or name in LAUNCHER_NAMES:
+            monkeypatch.delenv(name)
+    for name, value in srun_task(0, ntasks=1, job_id=55).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    script = write(tmp_path / "single.py", SINGLE_TASK)
+    proc = run_python([str(script)], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["alone"] == [out["main"], 1]  # in this process, alone
+    pair_pid, pair_world = out["pair"]
+    assert pair_world == 2 and pair_pid != out["main"]  # not launched: autoddp started its own workers
+    assert "environment SLURM allocation, single process" in flat(out["report"])
+    assert "a single-task srun step (SLURM_STEP_NUM_TASKS=1)" in flat(out["report"])
