@@ -15,7 +15,7 @@ import types
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from autoddp import _worker
+from autoddp import _worker, transport
 
 
 def _run(argv: list[str]) -> None:
@@ -52,6 +52,9 @@ def main() -> None:
         sys.exit(128 + 2)
     except BaseException as exc:
         ErrorHandler().record_exception(exc)
+        folder = os.environ.get("AUTODDP_RUN_FOLDER")
+        if folder:
+            transport.save_error(folder, int(os.environ.get("RANK", "0")), exc)
         exc.__traceback__ = _user_frames(exc.__traceback__)
         sys.excepthook(type(exc), exc, exc.__traceback__)
         sys.exit(1)

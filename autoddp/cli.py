@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import sys
-import uuid
 
 import click
 
-from autoddp import environment, launch, transport
+from autoddp import environment, launch
 
 _CONTEXT = {
     "help_option_names": ["-h", "--help"],
@@ -95,7 +95,7 @@ def _check_target(target: str | None, as_module: bool) -> None:
     "--monitor_interval",
     "monitor_interval",
     type=click.FloatRange(min=0.01),
-    default=0.1,
+    default=0.05,
     show_default=True,
     help="Seconds between checks of the workers' health.",
 )
@@ -122,7 +122,17 @@ def main(
     MASTER_PORT as torchrun sets them; ARGS reach the script untouched. Functions decorated
     with @autoddp.distributed run in place in each process. A failing process stops all of
     them and the command exits non-zero with that process's traceback.
+
+    `autoddp env` prints a report to paste into a bug report: versions, GPUs, the detected
+    launcher and why, and what autoddp would do here.
     """
+    if script == "env" and not as_module and not os.path.exists("env"):
+        if script_args:
+            _fail("autoddp env takes no arguments (to run a script named env, write ./env)")
+        from autoddp.report import describe
+
+        click.echo(describe())
+        return
     _check_target(script, as_module)
     count = _process_count(nproc)
     sys.exit(_launch(count, as_module, script, list(script_args), max_restarts, monitor_interval))
@@ -131,56 +141,21 @@ def main(
 def _launch(
     nproc: int, as_module: bool, script: str, args: list[str], max_restarts: int, monitor_interval: float
 ) -> int:
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    run_id = uuid.uuid4().hex
-    # The command's own process: these variables reach the workers through elastic's agent.
+    """Run the script once per process; the exit status of the command."""
+    argv = [*(["--module"] if as_module else []), script, *args]
+    if environment.detect().launched:
+        # Already one process of a distributed run (srun, mpirun, torchrun): no second layer.
+        os.execv(sys.executable, [sys.executable, "-m", "autoddp._script", *argv])
+    # The command's own process: this reaches the workers through their environment.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, environment.cpu_count() // nproc)))
-    os.environ["AUTODDP_RUN_ID"] = run_id
-    os.environ["AUTODDP_PARENT_PID"] = str(os.getpid())
-    entry_args = ["-m", "autoddp._script", *(["--module"] if as_module else []), script, *args]
-    # The rendezvous store listens on loopback only: elastic's c10d backend opens its store on
-    # this port in this process and so shares this loopback-bound server.
-    with transport.run_folder() as folder, launch.loopback_store(nproc) as port:
-        config = LaunchConfig(
-            min_nodes=1,
-            max_nodes=1,
-            nproc_per_node=nproc,
-            run_id=run_id,
-            rdzv_backend="c10d",
-            rdzv_endpoint=f"{environment.LOOPBACK}:{port}",
-            rdzv_configs={"is_host": True},
-            max_restarts=max_restarts,
-            monitor_interval=monitor_interval,
-            start_method="spawn",
-            local_addr=environment.LOOPBACK,
-            logs_specs=DefaultLogsSpecs(log_dir=os.path.join(folder, "logs")),
-        )
-        try:
-            with launch.elastic_logs_quiet():
-                elastic_launch(config, entrypoint=sys.executable)(*entry_args)
-        except ChildFailedError as exc:
-            rank, failure = exc.get_first_failure()
-            click.echo(_failure_line(rank, failure, nproc), err=True)
-            return 1
-        except SignalException as exc:  # Ctrl-C or SIGTERM: elastic has stopped every worker
-            click.echo(f"autoddp: {exc.sigval.name} received: stopped all {nproc} workers", err=True)
-            return 128 + int(exc.sigval)
+    try:
+        launch.launch_script(argv, nproc=nproc, max_restarts=max_restarts, poll_seconds=monitor_interval)
+    except KeyboardInterrupt:  # Ctrl-C: the workers are stopped and one line was printed
+        return 128 + int(signal.SIGINT)
+    except Exception as error:  # a worker failed: it printed its own traceback
+        click.echo(f"autoddp: {launch.one_line(error)} (its traceback is above)", err=True)
+        return 1
     return 0
-
-
-def _failure_line(rank: int, failure, world_size: int) -> str:
-    code = failure.exitcode
-    if code is not None and code < 0:
-        how = f"was killed by {failure.signal_name()}"
-    else:
-        how = f"exited with code {code}"
-    message = failure.message.get("message", "") if isinstance(failure.message, dict) else ""
-    detail = f": {message.splitlines()[0]}" if message else ""
-    return f"autoddp: rank {rank} of {world_size} (pid {failure.pid}) {how}{detail}; its traceback is above"
 
 
 if __name__ == "__main__":

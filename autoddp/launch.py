@@ -73,7 +73,9 @@ def _cuda_poisons_fork() -> bool:
     return os.waitstatus_to_exitcode(status) != 0
 
 
-def worker_envs(nproc: int, port: int, run_id: str, attempt: int = 0) -> dict[int, dict[str, str]]:
+def worker_envs(
+    nproc: int, port: int, run_id: str, attempt: int = 0, folder: str = ""
+) -> dict[int, dict[str, str]]:
     """The variables each worker gets, named as torchrun names them."""
     common = {
         "WORLD_SIZE": str(nproc),
@@ -85,6 +87,7 @@ def worker_envs(nproc: int, port: int, run_id: str, attempt: int = 0) -> dict[in
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "AUTODDP_RUN_ID": run_id,
         "AUTODDP_PARENT_PID": str(os.getpid()),
+        "AUTODDP_RUN_FOLDER": folder,  # where a worker reports its error
         "TORCHELASTIC_RESTART_COUNT": str(attempt),  # as torchrun names it: 0 on the first attempt
     }
     if "OMP_NUM_THREADS" not in os.environ:
@@ -110,50 +113,67 @@ def launch(
     that would only repeat: a bad configuration, something that cannot be pickled).
     """
     method, _reason = choose_start_method(start_method, backend)
-    payload = None
     if method == "spawn":  # pickle once, before anything starts: an unpicklable argument fails here
         payload = transport.dumps_job(
             _worker.Job(fn, args, kwargs, backend, timeout, options, ""), fn, args, kwargs
         )
+
+        def workers(folder: str) -> tuple[Any, dict[int, tuple]]:
+            transport.save_job(folder, payload)
+            return sys.executable, {r: ("-m", "autoddp._worker_main", folder) for r in range(nproc)}
+
+    else:
+
+        def workers(folder: str) -> tuple[Any, dict[int, tuple]]:
+            job = _worker.Job(fn, args, kwargs, backend, timeout, options, folder)
+            return _worker.run_forked, {r: (job,) for r in range(nproc)}
+
+    return _with_restarts(workers, nproc, method, max_restarts)
+
+
+def launch_script(
+    argv: list[str], *, nproc: int, max_restarts: int = 0, poll_seconds: float = _POLL_SECONDS
+) -> None:
+    """Run a script (``python -m autoddp._script ARGV``) in ``nproc`` fresh interpreters.
+
+    The ``autoddp`` command's single-node engine: the same supervision, loopback store and
+    restarts as the decorator. Raises the first failure (the worker printed its traceback).
+    """
+
+    def workers(folder: str) -> tuple[Any, dict[int, tuple]]:
+        return sys.executable, {r: ("-m", "autoddp._script", *argv) for r in range(nproc)}
+
+    _with_restarts(workers, nproc, "spawn", max_restarts, poll_seconds)
+
+
+Workers = Callable[[str], tuple[Any, dict[int, tuple]]]
+
+
+def _with_restarts(
+    workers: Workers, nproc: int, method: str, max_restarts: int, poll_seconds: float = _POLL_SECONDS
+) -> Any:
+    """Run attempts until one succeeds or ``max_restarts`` restarts are spent."""
     for attempt in range(max_restarts + 1):
         try:
-            return _run_once(fn, args, kwargs, nproc, backend, timeout, options, method, payload, attempt)
+            return _attempt(workers, nproc, method, attempt, poll_seconds)
         except (ConfigurationError, SerializationError, KeyboardInterrupt):
             raise
         except BaseException as error:
             if attempt == max_restarts or not isinstance(error, Exception):
                 raise
             _say(
-                f"{_one_line(error)}; restarting all {nproc} workers "
-                f"(restart {attempt + 1} of {max_restarts})"
+                f"{one_line(error)}; restarting all {nproc} workers (restart {attempt + 1} of {max_restarts})"
             )
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _run_once(
-    fn: Callable[..., Any],
-    args: tuple,
-    kwargs: dict,
-    nproc: int,
-    backend: Backend,
-    timeout: Any,
-    options: RunOptions,
-    method: str,
-    payload: bytes | None,
-    attempt: int,
-) -> Any:
+def _attempt(workers: Workers, nproc: int, method: str, attempt: int, poll_seconds: float) -> Any:
+    """One start of all workers, in a fresh run folder with a fresh store (no stale keys)."""
     with transport.run_folder() as folder:
-        if payload is not None:
-            transport.save_job(folder, payload)
-            entry: Callable[..., Any] | str = sys.executable
-            entry_args: dict[int, tuple] = {r: ("-m", "autoddp._worker_main", folder) for r in range(nproc)}
-        else:
-            entry = _worker.run_forked
-            job = _worker.Job(fn, args, kwargs, backend, timeout, options, folder)
-            entry_args = {r: (job,) for r in range(nproc)}
+        entry, entry_args = workers(folder)
         with loopback_store(nproc) as port:
-            envs = worker_envs(nproc, port, uuid.uuid4().hex, attempt)
-            context, result = _supervise(entry, entry_args, envs, method)
+            envs = worker_envs(nproc, port, uuid.uuid4().hex, attempt, folder)
+            context, result = _supervise(entry, entry_args, envs, method, poll_seconds)
         if result.is_failed():
             raise _first_failure(context, result, folder, nproc)
         return transport.load_result(folder)
@@ -164,7 +184,8 @@ def _say(message: str) -> None:
     print(f"autoddp: {message}", file=sys.stderr, flush=True)
 
 
-def _one_line(error: BaseException) -> str:
+def one_line(error: BaseException) -> str:
+    """The type and first line of an error's message."""
     text = str(error).splitlines()[0] if str(error) else ""
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
@@ -217,7 +238,9 @@ def loopback_store(nproc: int) -> Iterator[int]:
         del store
 
 
-def _supervise(entry: Any, entry_args: dict, envs: dict, method: str) -> Any:
+def _supervise(
+    entry: Any, entry_args: dict, envs: dict, method: str, poll_seconds: float = _POLL_SECONDS
+) -> Any:
     """Start the workers with elastic's multiprocessing and wait for all to end or one to fail."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -235,7 +258,7 @@ def _supervise(entry: Any, entry_args: dict, envs: dict, method: str) -> Any:
                 logs_specs=DefaultLogsSpecs(log_dir=os.devnull),
                 start_method="fork" if method == "fork" else "spawn",
             )
-            return context, context.wait(period=_POLL_SECONDS)
+            return context, context.wait(period=poll_seconds)
         except SignalException as exc:  # (start_processes closes its workers itself if it fails)
             if context is not None:
                 context.close(timeout=_STOP_GRACE_SECONDS)

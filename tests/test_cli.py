@@ -52,7 +52,7 @@ def test_failing_script_exits_nonzero_with_its_traceback(tmp_path):
     proc = autoddp_cli("--nproc-per-node=2", str(script), "--fail", cwd=tmp_path)
     assert proc.returncode == 1
     assert 'raise ValueError("bad config on rank 1")' in proc.stderr
-    assert "autoddp: rank 1 of 2" in proc.stderr and "ValueError: bad config on rank 1" in proc.stderr
+    assert "autoddp: ValueError: [rank 1 of 2] bad config on rank 1 (its traceback is above)" in proc.stderr
     assert "autoddp/_script.py" not in proc.stderr  # the runner's own frames are hidden
 
 
@@ -119,6 +119,35 @@ def test_help_documents_every_flag_with_its_default():
     for flag in ("--nproc-per-node", "--module", "--max-restarts", "--monitor-interval", "--standalone"):
         assert flag in proc.stdout
     assert proc.stdout.count("[default:") >= 5
+    assert "autoddp env" in proc.stdout
+
+
+def test_env_report(tmp_path):
+    proc = autoddp_cli("env", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "plain process" in proc.stdout and "torch" in proc.stdout
+
+
+def test_command_inside_a_launched_run_starts_no_second_layer(tmp_path):
+    script = write(
+        tmp_path / "where.py",
+        """
+        import os, sys
+        sys.stdout.write(f"{os.environ['RANK']} {os.environ['WORLD_SIZE']} {os.getpid()} {os.getppid()}\\n")
+        """,
+    )
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "autoddp.cli", "-n", "2", str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("0 1 ")  # ran once, in place
 
 
 def test_console_script_is_installed():
