@@ -9,7 +9,8 @@ import sys
 
 import click
 
-from autoddp import environment, launch
+from autoddp import environment, launch, nodes
+from autoddp.errors import ConfigurationError
 
 _CONTEXT = {
     "help_option_names": ["-h", "--help"],
@@ -104,6 +105,50 @@ def _check_target(target: str | None, as_module: bool) -> None:
     is_flag=True,
     help="Accepted for torchrun compatibility.  [default: always standalone on a single node]",
 )
+@click.option("--nnodes", default=None, metavar="N|MIN:MAX", help="Machines taking part.  [default: 1]")
+@click.option(
+    "--node-rank",
+    "--node_rank",
+    "node_rank",
+    type=click.IntRange(min=0),
+    default=None,
+    help="This machine's rank, 0 to nnodes-1 (static rendezvous).  [default: 0]",
+)
+@click.option("--master", default=None, metavar="HOST:PORT", help="Node 0's address for multi-node runs.")
+@click.option(
+    "--master-addr",
+    "--master_addr",
+    "master_addr",
+    default=None,
+    help="torchrun's spelling of --master's HOST.",
+)
+@click.option(
+    "--master-port",
+    "--master_port",
+    "master_port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="torchrun's spelling of --master's PORT.  [default: 29500 with --master-addr]",
+)
+@click.option(
+    "--rdzv-endpoint",
+    "--rdzv_endpoint",
+    "rdzv_endpoint",
+    default=None,
+    metavar="HOST:PORT",
+    help="Rendezvous endpoint (c10d, elastic node counts).",
+)
+@click.option(
+    "--rdzv-backend",
+    "--rdzv_backend",
+    "rdzv_backend",
+    default=None,
+    type=click.Choice(["static", "c10d"]),
+    help="Rendezvous backend.  [default: static with --master, c10d with --rdzv-endpoint]",
+)
+@click.option(
+    "--rdzv-id", "--rdzv_id", "rdzv_id", default=None, help="Job id shared by all nodes.  [default: autoddp]"
+)
 @click.argument("script", required=False, metavar="SCRIPT")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="[ARGS]...")
 @click.version_option(package_name="autoddp", prog_name="autoddp")
@@ -113,6 +158,14 @@ def main(
     max_restarts: int,
     monitor_interval: float,
     standalone: bool,
+    nnodes: str | None,
+    node_rank: int | None,
+    master: str | None,
+    master_addr: str | None,
+    master_port: int | None,
+    rdzv_endpoint: str | None,
+    rdzv_backend: str | None,
+    rdzv_id: str | None,
     script: str | None,
     script_args: tuple[str, ...],
 ) -> None:
@@ -135,14 +188,48 @@ def main(
         return
     _check_target(script, as_module)
     count = _process_count(nproc)
-    sys.exit(_launch(count, as_module, script, list(script_args), max_restarts, monitor_interval))
+    if master is None and master_addr is not None:
+        master = f"{master_addr}:{master_port or 29500}"
+    try:
+        plan = nodes.plan(nnodes, node_rank, master, rdzv_endpoint, rdzv_backend, rdzv_id)
+    except ConfigurationError as error:
+        _fail(str(error))
+    argv = [*(["--module"] if as_module else []), script, *script_args]
+    if plan.multi:
+        sys.exit(_launch_nodes(plan, count, argv, max_restarts, monitor_interval))
+    sys.exit(_launch(count, argv, max_restarts, monitor_interval))
 
 
-def _launch(
-    nproc: int, as_module: bool, script: str, args: list[str], max_restarts: int, monitor_interval: float
+def _launch_nodes(
+    plan: nodes.Nodes, nproc: int, argv: list[str], max_restarts: int, monitor_interval: float
 ) -> int:
-    """Run the script once per process; the exit status of the command."""
-    argv = [*(["--module"] if as_module else []), script, *args]
+    """This machine's share of a multi-node run, through elastic's agent and rendezvous."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, environment.cpu_count() // nproc)))
+    try:
+        nodes.run_agent(
+            plan,
+            nproc,
+            ["-m", "autoddp._script", *argv],
+            max_restarts=max_restarts,
+            monitor_interval=monitor_interval,
+        )
+    except ChildFailedError as error:
+        click.echo(
+            f"autoddp: {nodes.describe_failure(error, nproc * plan.max_nodes)}; its traceback is above",
+            err=True,
+        )
+        return 1
+    except SignalException as error:
+        click.echo(f"autoddp: {error.sigval.name} received: stopped all workers on this node", err=True)
+        return 128 + int(error.sigval)
+    return 0
+
+
+def _launch(nproc: int, argv: list[str], max_restarts: int, monitor_interval: float) -> int:
+    """Run the script once per process on this machine; the exit status of the command."""
     if environment.detect().launched:
         # Already one process of a distributed run (srun, mpirun, torchrun): no second layer.
         os.execv(sys.executable, [sys.executable, "-m", "autoddp._script", *argv])

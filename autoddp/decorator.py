@@ -12,7 +12,7 @@ from typing import Any, TypeVar, overload
 
 import wrapt
 
-from autoddp import environment, launch, process_group
+from autoddp import environment, launch, nodes, process_group
 from autoddp.errors import ConfigurationError
 from autoddp.prepare import prepare
 from autoddp.world import RunOptions
@@ -31,8 +31,12 @@ class Options:
     ddp: Mapping[str, Any] | None = None
     sync_batchnorm: bool = False
     max_restarts: int = 0
+    nnodes: int | str | None = None
+    node_rank: int | None = None
+    master: str | None = None
 
     def __post_init__(self) -> None:
+        self.nodes  # noqa: B018 - checks the multi-node options at decoration time
         if self.nproc is not None and (
             isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1
         ):
@@ -67,6 +71,10 @@ class Options:
             )
         if not isinstance(self.sync_batchnorm, bool):
             raise ConfigurationError(f"sync_batchnorm={self.sync_batchnorm!r} must be True or False")
+
+    @property
+    def nodes(self) -> nodes.Nodes:
+        return nodes.plan(self.nnodes, self.node_rank, self.master)
 
     @property
     def run_options(self) -> RunOptions:
@@ -106,6 +114,9 @@ def distributed(
     ddp: Mapping[str, Any] | None = None,
     sync_batchnorm: bool = False,
     max_restarts: int = 0,
+    nnodes: int | str | None = None,
+    node_rank: int | None = None,
+    master: str | None = None,
 ) -> Callable[[F], F]: ...
 def distributed(
     fn: Callable[..., Any] | None = None,
@@ -118,6 +129,9 @@ def distributed(
     ddp: Mapping[str, Any] | None = None,
     sync_batchnorm: bool = False,
     max_restarts: int = 0,
+    nnodes: int | str | None = None,
+    node_rank: int | None = None,
+    master: str | None = None,
 ) -> Any:
     """Make ``fn`` run once per device, each process in a ready process group.
 
@@ -135,6 +149,9 @@ def distributed(
     may wait before failing (torch's default when unset). ``max_restarts``: start the whole
     group again this many times after a worker fails (the workers see
     ``TORCHELASTIC_RESTART_COUNT``; resume with ``autoddp.load(path, default=None)``).
+    ``nnodes``/``node_rank``/``master="host:port"``: run on several machines (call the function
+    on each, with its own ``node_rank``; node 0 hosts the rendezvous at ``master``); the result
+    is rank 0's on node 0 and None elsewhere.
 
     Models and DataLoaders among the arguments are prepared (see ``autoddp.prepare``): models
     are moved to the process's device and wrapped in DDP (``ddp=`` passes keyword arguments
@@ -149,6 +166,9 @@ def distributed(
         ddp=ddp,
         sync_batchnorm=sync_batchnorm,
         max_restarts=max_restarts,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master=master,
     )
     if fn is None:
         return functools.partial(_decorate, options=options)
@@ -189,6 +209,19 @@ def _call(options: Options, wrapped: Callable[..., Any], instance: Any, args: tu
         with process_group.joined(world, backend, timeout, options.run_options):
             return prepare(wrapped(*prepare(args), **prepare(kwargs)))
     nproc = options.process_count(backend, gpus)
+    plan = options.nodes
+    if plan.multi:
+        return launch.launch_nodes(
+            wrapped,
+            args,
+            kwargs,
+            plan=plan,
+            nproc=nproc,
+            backend=backend,
+            timeout=timeout,
+            options=options.run_options,
+            max_restarts=options.max_restarts,
+        )
     if nproc == 1:
         return prepare(wrapped(*prepare(args), **prepare(kwargs)))
     return launch.launch(

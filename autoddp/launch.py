@@ -131,6 +131,56 @@ def launch(
     return _with_restarts(workers, nproc, method, max_restarts)
 
 
+def launch_nodes(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    *,
+    plan: Any,
+    nproc: int,
+    backend: Backend,
+    timeout: Any,
+    options: RunOptions,
+    max_restarts: int = 0,
+) -> Any:
+    """This machine's share of a multi-node run of ``fn`` (fresh interpreters, elastic's agent).
+
+    Returns rank 0's result on the machine that runs rank 0, None on the others.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from autoddp import nodes
+
+    payload = transport.dumps_job(
+        _worker.Job(fn, args, kwargs, backend, timeout, options, ""), fn, args, kwargs
+    )
+    with transport.run_folder() as folder:
+        transport.save_job(folder, payload)
+        try:
+            with _caller_signal_handlers_kept():
+                nodes.run_agent(
+                    plan, nproc, ["-m", "autoddp._worker_main", folder], max_restarts=max_restarts
+                )
+        except ChildFailedError as error:
+            reports = transport.load_errors(folder)
+            if reports:
+                report = min(reports.values(), key=lambda r: (r.is_consequence, r.time))
+                raise report.rebuild(nproc * plan.max_nodes) from None
+            raise WorkerError(
+                nodes.describe_failure(error, nproc * plan.max_nodes),
+                rank=error.get_first_failure()[0],
+                exitcode=None,
+            ) from None
+        except SignalException as error:
+            _say(f"{error.sigval.name} received: stopped all workers on this node")
+            if error.sigval == signal.SIGINT:
+                raise KeyboardInterrupt from None
+            signal.raise_signal(error.sigval)
+            raise
+        return transport.load_result(folder)
+
+
 def launch_script(
     argv: list[str], *, nproc: int, max_restarts: int = 0, poll_seconds: float = _POLL_SECONDS
 ) -> None:
