@@ -105,6 +105,22 @@ def _check_target(target: str | None, as_module: bool) -> None:
     is_flag=True,
     help="Accepted for torchrun compatibility.  [default: always standalone on a single node]",
 )
+@click.option(
+    "--ranks",
+    "--local-ranks-filter",
+    "--local_ranks_filter",
+    "ranks",
+    default="0",
+    show_default=True,
+    help="Whose output reaches the console: 0, all (lines prefixed [rank N]) or local ranks like 0,1.",
+)
+@click.option(
+    "--log-dir",
+    "--log_dir",
+    "log_dir",
+    default=None,
+    help="Keep every rank's stdout/stderr in files under this folder.  [default: a private temporary folder]",
+)
 @click.option("--nnodes", default=None, metavar="N|MIN:MAX", help="Machines taking part.  [default: 1]")
 @click.option(
     "--node-rank",
@@ -158,6 +174,8 @@ def main(
     max_restarts: int,
     monitor_interval: float,
     standalone: bool,
+    ranks: str,
+    log_dir: str | None,
     nnodes: str | None,
     node_rank: int | None,
     master: str | None,
@@ -197,7 +215,12 @@ def main(
     argv = [*(["--module"] if as_module else []), script, *script_args]
     if plan.multi:
         sys.exit(_launch_nodes(plan, count, argv, max_restarts, monitor_interval))
-    sys.exit(_launch(count, argv, max_restarts, monitor_interval))
+    output = launch.Output(ranks, log_dir)
+    try:
+        output.shown(count)
+    except ConfigurationError as error:
+        _fail(str(error))
+    sys.exit(_launch(count, argv, max_restarts, monitor_interval, output))
 
 
 def _launch_nodes(
@@ -228,7 +251,9 @@ def _launch_nodes(
     return 0
 
 
-def _launch(nproc: int, argv: list[str], max_restarts: int, monitor_interval: float) -> int:
+def _launch(
+    nproc: int, argv: list[str], max_restarts: int, monitor_interval: float, output: launch.Output
+) -> int:
     """Run the script once per process on this machine; the exit status of the command."""
     if environment.detect().launched:
         # Already one process of a distributed run (srun, mpirun, torchrun): no second layer.
@@ -236,7 +261,9 @@ def _launch(nproc: int, argv: list[str], max_restarts: int, monitor_interval: fl
     # The command's own process: this reaches the workers through their environment.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, environment.cpu_count() // nproc)))
     try:
-        launch.launch_script(argv, nproc=nproc, max_restarts=max_restarts, poll_seconds=monitor_interval)
+        launch.launch_script(
+            argv, nproc=nproc, max_restarts=max_restarts, poll_seconds=monitor_interval, output=output
+        )
     except KeyboardInterrupt:  # Ctrl-C: the workers are stopped and one line was printed
         return 128 + int(signal.SIGINT)
     except Exception as error:  # a worker failed: it printed its own traceback

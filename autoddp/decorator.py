@@ -34,8 +34,12 @@ class Options:
     nnodes: int | str | None = None
     node_rank: int | None = None
     master: str | None = None
+    ranks: str = "0"
+    log_dir: str | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.ranks, str):
+            raise ConfigurationError(f"ranks={self.ranks!r}: use '0', 'all' or local ranks such as '0,1'")
         self.nodes  # noqa: B018 - checks the multi-node options at decoration time
         if self.nproc is not None and (
             isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1
@@ -117,6 +121,8 @@ def distributed(
     nnodes: int | str | None = None,
     node_rank: int | None = None,
     master: str | None = None,
+    ranks: str = "0",
+    log_dir: str | None = None,
 ) -> Callable[[F], F]: ...
 def distributed(
     fn: Callable[..., Any] | None = None,
@@ -132,6 +138,8 @@ def distributed(
     nnodes: int | str | None = None,
     node_rank: int | None = None,
     master: str | None = None,
+    ranks: str = "0",
+    log_dir: str | None = None,
 ) -> Any:
     """Make ``fn`` run once per device, each process in a ready process group.
 
@@ -151,7 +159,9 @@ def distributed(
     ``TORCHELASTIC_RESTART_COUNT``; resume with ``autoddp.load(path, default=None)``).
     ``nnodes``/``node_rank``/``master="host:port"``: run on several machines (call the function
     on each, with its own ``node_rank``; node 0 hosts the rendezvous at ``master``); the result
-    is rank 0's on node 0 and None elsewhere.
+    is rank 0's on node 0 and None elsewhere. ``ranks``: whose output reaches the console:
+    ``"0"`` (default), ``"all"`` (lines prefixed ``[rank N]``) or local ranks like ``"0,1"``;
+    every rank's output is also written to files under ``log_dir`` when given.
 
     Models and DataLoaders among the arguments are prepared (see ``autoddp.prepare``): models
     are moved to the process's device and wrapped in DDP (``ddp=`` passes keyword arguments
@@ -169,6 +179,8 @@ def distributed(
         nnodes=nnodes,
         node_rank=node_rank,
         master=master,
+        ranks=ranks,
+        log_dir=log_dir,
     )
     if fn is None:
         return functools.partial(_decorate, options=options)
@@ -234,4 +246,5 @@ def _call(options: Options, wrapped: Callable[..., Any], instance: Any, args: tu
         timeout=timeout,
         options=options.run_options,
         max_restarts=options.max_restarts,
+        output=launch.Output(options.ranks, options.log_dir),
     )

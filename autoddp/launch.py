@@ -9,6 +9,7 @@ first failure as the original exception.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -30,6 +31,49 @@ from autoddp.world import RunOptions
 START_METHODS = ("auto", "fork", "spawn")
 _POLL_SECONDS = 0.05
 _STOP_GRACE_SECONDS = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """Which ranks' output reaches the console, and where every rank's output is kept.
+
+    ``ranks``: ``"0"`` (default: rank 0 only, as written), ``"all"`` (every rank, each line
+    prefixed ``[rank N]``) or comma-separated local ranks. Every rank's stdout and stderr also
+    go to files under ``log_dir`` (a private folder removed after the run when unset); the last
+    lines of a failed rank that the console did not show are printed when it fails.
+    """
+
+    ranks: str = "0"
+    log_dir: str | None = None
+
+    def shown(self, nproc: int) -> set[int]:
+        if self.ranks == "all":
+            return set(range(nproc))
+        try:
+            shown = {int(r) for r in self.ranks.split(",")}
+        except ValueError:
+            raise ConfigurationError(
+                f"ranks={self.ranks!r}: use '0', 'all' or comma-separated local ranks such as '0,1'"
+            ) from None
+        if not shown or not shown <= set(range(nproc)):
+            raise ConfigurationError(f"ranks={self.ranks!r} names ranks outside 0..{nproc - 1}")
+        return shown
+
+    def logs_specs(self, folder: str, nproc: int) -> tuple[Any, dict[int, str]]:
+        """Elastic's log settings: every rank to files, the shown ranks echoed to the console."""
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+
+        shown = self.shown(nproc)
+        specs = DefaultLogsSpecs(
+            log_dir=self.log_dir or os.path.join(folder, "logs"),
+            redirects=Std.ALL,
+            tee=Std.ALL,
+            local_ranks_filter=shown,
+        )
+        prefixes = {
+            r: (f"[rank {r}] " if self.ranks == "all" or len(shown) > 1 else "") for r in range(nproc)
+        }
+        return specs, prefixes
 
 
 def choose_start_method(requested: str, backend: Backend) -> tuple[str, str]:
@@ -89,6 +133,7 @@ def worker_envs(
         "AUTODDP_PARENT_PID": str(os.getpid()),
         "AUTODDP_RUN_FOLDER": folder,  # where a worker reports its error
         "TORCHELASTIC_RESTART_COUNT": str(attempt),  # as torchrun names it: 0 on the first attempt
+        "TORCHELASTIC_RUN_ID": run_id,
     }
     if "OMP_NUM_THREADS" not in os.environ:
         common["OMP_NUM_THREADS"] = str(max(1, environment.cpu_count() // nproc))
@@ -106,6 +151,7 @@ def launch(
     timeout: Any,
     options: RunOptions,
     max_restarts: int = 0,
+    output: Output = Output(),
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` in ``nproc`` new workers; return rank 0's result.
 
@@ -128,7 +174,7 @@ def launch(
             job = _worker.Job(fn, args, kwargs, backend, timeout, options, folder)
             return _worker.run_forked, {r: (job,) for r in range(nproc)}
 
-    return _with_restarts(workers, nproc, method, max_restarts)
+    return _with_restarts(workers, nproc, method, max_restarts, output=output)
 
 
 def launch_nodes(
@@ -182,7 +228,12 @@ def launch_nodes(
 
 
 def launch_script(
-    argv: list[str], *, nproc: int, max_restarts: int = 0, poll_seconds: float = _POLL_SECONDS
+    argv: list[str],
+    *,
+    nproc: int,
+    max_restarts: int = 0,
+    poll_seconds: float = _POLL_SECONDS,
+    output: Output = Output(),
 ) -> None:
     """Run a script (``python -m autoddp._script ARGV``) in ``nproc`` fresh interpreters.
 
@@ -193,19 +244,24 @@ def launch_script(
     def workers(folder: str) -> tuple[Any, dict[int, tuple]]:
         return sys.executable, {r: ("-m", "autoddp._script", *argv) for r in range(nproc)}
 
-    _with_restarts(workers, nproc, "spawn", max_restarts, poll_seconds)
+    _with_restarts(workers, nproc, "spawn", max_restarts, poll_seconds, output)
 
 
 Workers = Callable[[str], tuple[Any, dict[int, tuple]]]
 
 
 def _with_restarts(
-    workers: Workers, nproc: int, method: str, max_restarts: int, poll_seconds: float = _POLL_SECONDS
+    workers: Workers,
+    nproc: int,
+    method: str,
+    max_restarts: int,
+    poll_seconds: float = _POLL_SECONDS,
+    output: Output = Output(),
 ) -> Any:
     """Run attempts until one succeeds or ``max_restarts`` restarts are spent."""
     for attempt in range(max_restarts + 1):
         try:
-            return _attempt(workers, nproc, method, attempt, poll_seconds)
+            return _attempt(workers, nproc, method, attempt, poll_seconds, output)
         except (ConfigurationError, SerializationError, KeyboardInterrupt):
             raise
         except BaseException as error:
@@ -217,15 +273,21 @@ def _with_restarts(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _attempt(workers: Workers, nproc: int, method: str, attempt: int, poll_seconds: float) -> Any:
+def _attempt(
+    workers: Workers, nproc: int, method: str, attempt: int, poll_seconds: float, output: Output
+) -> Any:
     """One start of all workers, in a fresh run folder with a fresh store (no stale keys)."""
     with transport.run_folder() as folder:
         entry, entry_args = workers(folder)
         with loopback_store(nproc) as port:
             envs = worker_envs(nproc, port, uuid.uuid4().hex, attempt, folder)
-            context, result = _supervise(entry, entry_args, envs, method, poll_seconds)
+            context, result = _supervise(
+                entry, entry_args, envs, method, poll_seconds, output.logs_specs(folder, nproc)
+            )
         if result.is_failed():
-            raise _first_failure(context, result, folder, nproc)
+            error = _first_failure(context, result, folder, nproc)
+            _show_hidden_output(error, result, output.shown(nproc))
+            raise error
         return transport.load_result(folder)
 
 
@@ -289,12 +351,18 @@ def loopback_store(nproc: int) -> Iterator[int]:
 
 
 def _supervise(
-    entry: Any, entry_args: dict, envs: dict, method: str, poll_seconds: float = _POLL_SECONDS
+    entry: Any,
+    entry_args: dict,
+    envs: dict,
+    method: str,
+    poll_seconds: float,
+    logs: tuple[Any, dict[int, str]],
 ) -> Any:
     """Start the workers with elastic's multiprocessing and wait for all to end or one to fail."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+    from torch.distributed.elastic.multiprocessing import start_processes
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    logs_specs, prefixes = logs
     with _caller_signal_handlers_kept(), elastic_logs_quiet():
         for stream in (sys.stdout, sys.stderr):
             stream.flush()  # forked children must not inherit unflushed output
@@ -305,7 +373,8 @@ def _supervise(
                 entrypoint=entry,
                 args=entry_args,
                 envs=envs,
-                logs_specs=DefaultLogsSpecs(log_dir=os.devnull),
+                logs_specs=logs_specs,
+                log_line_prefixes=prefixes,
                 start_method="fork" if method == "fork" else "spawn",
             )
             return context, context.wait(period=poll_seconds)
@@ -357,6 +426,23 @@ def elastic_logs_quiet() -> Iterator[None]:
     finally:
         for logger, was in zip(loggers, previous, strict=True):
             logger.disabled = was
+
+
+def _show_hidden_output(error: BaseException, result: Any, shown: set[int], lines: int = 20) -> None:
+    """Print the last lines of a failed rank whose output the console did not show."""
+    rank = getattr(error, "autoddp_rank", getattr(error, "rank", None))
+    if not isinstance(rank, int) or rank in shown:
+        return
+    tail: list[str] = []
+    for path in (result.stdouts.get(rank), result.stderrs.get(rank)):
+        if path and os.path.isfile(path):
+            with open(path, errors="replace") as handle:
+                tail += handle.read().splitlines()[-lines:]
+    if tail:
+        console = ", ".join(map(str, sorted(shown)))
+        _say(f"last lines of rank {rank}'s output (the console shows rank(s) {console}):")
+        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in tail[-lines:]))
+        sys.stderr.flush()
 
 
 def _exit_codes(context: Any) -> dict[int, int | None]:

@@ -37,9 +37,11 @@ def autoddp_cli(*args: str, cwd=None, timeout: float = 90) -> subprocess.Complet
 
 def test_torchrun_style_script_with_arguments(tmp_path):
     script = write(tmp_path / "ddp.py", TORCHRUN_STYLE)
-    proc = autoddp_cli("-n", "2", str(script), "--lr", "0.1", "-x", "--nproc", "9", cwd=tmp_path)
+    proc = autoddp_cli(
+        "-n", "2", "--ranks", "all", str(script), "--lr", "0.1", "-x", "--nproc", "9", cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
-    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank="))
+    lines = sorted(line.split("] ", 1)[1] for line in proc.stdout.splitlines() if "rank=" in line)
     expected_args = "['--lr', '0.1', '-x', '--nproc', '9']"
     assert lines == [
         f"rank=0 world=2 local=0 sum=3.0 args={expected_args} path0={tmp_path}",
@@ -61,7 +63,7 @@ def test_module_mode(tmp_path):
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     write(pkg / "job.py", TORCHRUN_STYLE)
-    proc = autoddp_cli("-n", "2", "-m", "pkg.job", "--flag", cwd=tmp_path)
+    proc = autoddp_cli("-n", "2", "--ranks", "all", "-m", "pkg.job", "--flag", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("args=['--flag']") == 2
 
@@ -81,12 +83,22 @@ def test_decorated_function_runs_in_place_under_the_command(tmp_path):
         sys.stdout.write(f"in-place={pid == os.getpid()} rank={rank} world={world}\\n")
         """,
     )
-    proc = autoddp_cli("-n", "2", str(script), cwd=tmp_path)
+    proc = autoddp_cli("-n", "2", "--ranks", "all", str(script), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert sorted(proc.stdout.splitlines()) == [
-        "in-place=True rank=0 world=2",
-        "in-place=True rank=1 world=2",
+        "[rank 0] in-place=True rank=0 world=2",
+        "[rank 1] in-place=True rank=1 world=2",
     ]
+
+
+def test_console_shows_rank0_by_default_and_every_rank_is_logged(tmp_path):
+    script = write(tmp_path / "ddp.py", TORCHRUN_STYLE)
+    logs = tmp_path / "logs"
+    proc = autoddp_cli("-n", "2", "--log-dir", str(logs), str(script), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert [line[:6] for line in proc.stdout.splitlines()] == ["rank=0"]
+    logged = sorted(p.read_text().strip()[:6] for p in logs.rglob("stdout.log"))
+    assert logged == ["rank=0", "rank=1"]
 
 
 def test_missing_script_is_a_one_line_usage_error(tmp_path):

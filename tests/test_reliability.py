@@ -293,8 +293,9 @@ def test_store_listens_on_loopback_and_files_are_private():
             path = os.path.join(tempfile.gettempdir(), name)
             if name.startswith("autoddp-") and os.path.isdir(path):
                 modes[name] = oct(os.stat(path).st_mode & 0o777)
-                for inner in os.listdir(path):
-                    modes[f"{name}/{inner}"] = oct(os.stat(os.path.join(path, inner)).st_mode & 0o777)
+                for inner in os.listdir(path):  # files of ours; logs/ sits inside the 0700 folder
+                    if os.path.isfile(os.path.join(path, inner)):
+                        modes[f"{name}/{inner}"] = oct(os.stat(os.path.join(path, inner)).st_mode & 0o777)
         return listening, modes
 
     listening, modes = train()
