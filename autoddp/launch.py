@@ -158,7 +158,15 @@ def launch(
     After a failure the whole group starts again, up to ``max_restarts`` times (not for errors
     that would only repeat: a bad configuration, something that cannot be pickled).
     """
-    method, _reason = choose_start_method(start_method, backend)
+    method, reason = choose_start_method(start_method, backend)
+    if method == "spawn" and start_method == "auto":
+        # Shown once per process (warnings' default filter): the fallback needs no action.
+        warnings.warn(
+            f"autoddp starts its workers as fresh interpreters (start_method='spawn') because {reason}; "
+            "the function and its arguments are sent to them by value.",
+            UserWarning,
+            stacklevel=4,
+        )
     if method == "spawn":  # pickle once, before anything starts: an unpicklable argument fails here
         payload = transport.dumps_job(
             _worker.Job(fn, args, kwargs, backend, timeout, options, ""), fn, args, kwargs
