@@ -1,6 +1,7 @@
 """autoddp: run a plain single-GPU PyTorch train function on every GPU with one decorator."""
 
 from autoddp.checkpoint import load, save
+from autoddp.console import print, progress
 from autoddp.data import gather
 from autoddp.decorator import distributed
 from autoddp.errors import (
@@ -19,6 +20,8 @@ from autoddp.world import barrier, device, is_main, local_rank, rank, world_size
 
 __version__ = "0.1.0"
 
+# autoddp.print is public but left out of __all__: `from autoddp import *` must not replace print.
+
 __all__ = [
     "AutoDDPError",
     "CollectiveInRank0Error",
@@ -35,6 +38,7 @@ __all__ = [
     "load",
     "local_rank",
     "prepare",
+    "progress",
     "rank",
     "rank0",
     "save",

@@ -12,20 +12,31 @@ keeps state between calls: the rank is read from the current world at each call.
 from __future__ import annotations
 
 import builtins
+import re
 import sys
 from collections.abc import Iterable
-from typing import IO, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from autoddp import world
 
 T = TypeVar("T")
+
+#: The start of every line of a message (lines end with "\n" only, as on a console), except the
+#: empty end of a message that ends with a newline.
+_LINE_START = re.compile(r"^(?!\Z)", re.MULTILINE)
+
+
+class SupportsWrite(Protocol):
+    """What ``print`` writes to: any object with a ``write(str)`` method, as for the builtin."""
+
+    def write(self, text: str, /) -> Any: ...
 
 
 def print(
     *args: object,
     sep: str | None = " ",
     end: str | None = "\n",
-    file: IO[str] | None = None,
+    file: SupportsWrite | None = None,
     flush: bool = False,
     all_ranks: bool = False,
 ) -> None:
@@ -43,6 +54,9 @@ def print(
     if here.world_size <= 1:
         builtins.print(*args, sep=sep, end=end, file=file, flush=flush)
         return
+    for name, value in (("sep", sep), ("end", end)):
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{name} must be None or a string, not {type(value).__name__}")
     if not all_ranks and here.rank != 0:
         return
     if file is None:
@@ -52,9 +66,11 @@ def print(
     text = (" " if sep is None else sep).join(str(arg) for arg in args) + ("\n" if end is None else end)
     if all_ranks:
         prefix = f"[rank {here.rank}] "
-        text = "".join(prefix + line for line in text.splitlines(keepends=True))
+        text = _LINE_START.sub(lambda _: prefix, text)  # each line, not the end after a final newline
     file.write(text)
-    file.flush()
+    flush_file = getattr(file, "flush", None)
+    if flush_file is not None:
+        flush_file()
 
 
 def progress(iterable: Iterable[T], **kwargs: Any) -> Iterable[T]:
@@ -63,8 +79,9 @@ def progress(iterable: Iterable[T], **kwargs: Any) -> Iterable[T]:
     Every rank gets back an iterable over exactly the same items, in the same order: the bar
     only watches the iteration and never changes it, so collectives inside the loop (a DDP
     backward, an ``all_reduce``) stay in step across ranks. Keyword arguments go to
-    ``tqdm.auto.tqdm`` (``desc=``, ``total=``, ``unit=``...). ``tqdm`` is optional: without it the
-    iterable is returned unchanged and nothing is drawn.
+    ``tqdm.auto.tqdm`` (``desc=``, ``total=``, ``unit=``...). Every rank gets a ``tqdm`` object
+    (disabled off rank 0), so ``bar.set_postfix(...)`` and the like work on every rank. ``tqdm``
+    is optional: without it the iterable itself is returned and nothing is drawn.
     """
     try:
         from tqdm.auto import tqdm

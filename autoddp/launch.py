@@ -60,20 +60,34 @@ class Output:
         return shown
 
     def logs_specs(self, folder: str, nproc: int) -> tuple[Any, dict[int, str]]:
-        """Elastic's log settings: every rank to files, the shown ranks echoed to the console."""
+        """Elastic's log settings for a run.
+
+        Shown ranks write straight to the console (a terminal stays a terminal: progress bars
+        redraw, colours stay); hidden ranks write to files. With ``"all"`` every rank goes
+        through a file so that its lines can be prefixed. When this process's stdout is not a
+        real file (captured, redirected to a StringIO), forked workers could not redirect
+        theirs: then everything passes through unfiltered.
+        """
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
         shown = self.shown(nproc)
-        specs = DefaultLogsSpecs(
-            log_dir=self.log_dir or os.path.join(folder, "logs"),
-            redirects=Std.ALL,
-            tee=Std.ALL,
-            local_ranks_filter=shown,
-        )
-        prefixes = {
-            r: (f"[rank {r}] " if self.ranks == "all" or len(shown) > 1 else "") for r in range(nproc)
-        }
-        return specs, prefixes
+        if not _real_stdio():
+            return DefaultLogsSpecs(log_dir=os.devnull), {}
+        log_dir = self.log_dir or os.path.join(folder, "logs")
+        if self.ranks == "all":
+            specs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL)
+            return specs, {r: f"[rank {r}] " for r in range(nproc)}
+        redirects = {r: (Std.NONE if r in shown else Std.ALL) for r in range(nproc)}
+        return DefaultLogsSpecs(log_dir=log_dir, redirects=redirects), {}
+
+
+def _real_stdio() -> bool:
+    try:
+        sys.stdout.fileno()
+        sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    return True
 
 
 def choose_start_method(requested: str, backend: Backend) -> tuple[str, str]:

@@ -287,3 +287,17 @@ def test_decorated_method():
             return self.base + extra + autoddp.world_size()
 
     assert Trainer(10).fit(5) == 17
+
+
+def test_works_while_stdout_is_captured():
+    import contextlib
+    import io
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):  # no real file behind sys.stdout (capsys, notebooks)
+
+        @autoddp.distributed(nproc=2)
+        def train():
+            return autoddp.world_size()
+
+        assert train() == 2
