@@ -1,7 +1,8 @@
 """autoddp: run a plain single-GPU PyTorch train function on every GPU with one decorator."""
 
 from autoddp.checkpoint import load, save
-from autoddp.console import print, progress
+from autoddp.console import print as print  # public, but kept out of __all__ (see below)
+from autoddp.console import progress
 from autoddp.data import gather
 from autoddp.decorator import distributed
 from autoddp.errors import (
