@@ -278,8 +278,6 @@ def test_nested_call_with_another_nproc_runs_in_place_and_warns():
 
 
 def test_store_listens_on_loopback_and_files_are_private():
-    before = {d for d in os.listdir(tempfile.gettempdir()) if d.startswith("autoddp-")}
-
     @autoddp.distributed(nproc=2, start_method="spawn")
     def train():
         port = int(os.environ["MASTER_PORT"])
@@ -288,22 +286,19 @@ def test_store_listens_on_loopback_and_files_are_private():
             for c in psutil.net_connections(kind="tcp")
             if c.status == "LISTEN" and c.laddr.port == port
         ]
-        modes = {}
-        for name in os.listdir(tempfile.gettempdir()):
-            path = os.path.join(tempfile.gettempdir(), name)
-            if name.startswith("autoddp-") and os.path.isdir(path):
-                modes[name] = oct(os.stat(path).st_mode & 0o777)
-                for inner in os.listdir(path):  # files of ours; logs/ sits inside the 0700 folder
-                    if os.path.isfile(os.path.join(path, inner)):
-                        modes[f"{name}/{inner}"] = oct(os.stat(os.path.join(path, inner)).st_mode & 0o777)
-        return listening, modes
+        folder = os.environ["AUTODDP_RUN_FOLDER"]  # this run's private folder
+        modes = {".": oct(os.stat(folder).st_mode & 0o777)}
+        for name in os.listdir(folder):  # files of ours; logs/ sits inside the 0700 folder
+            if os.path.isfile(os.path.join(folder, name)):
+                modes[name] = oct(os.stat(os.path.join(folder, name)).st_mode & 0o777)
+        return listening, folder, modes
 
-    listening, modes = train()
+    listening, folder, modes = train()
     assert listening and set(listening) == {"127.0.0.1"}
-    ours = {k: v for k, v in modes.items() if k.split("/")[0] not in before}
-    assert ours and all(v == ("0o700" if "/" not in k else "0o600") for k, v in ours.items()), ours
-    after = {d for d in os.listdir(tempfile.gettempdir()) if d.startswith("autoddp-")}
-    assert after <= before  # removed at the end
+    assert folder.startswith(tempfile.gettempdir())
+    assert modes["."] == "0o700" and len(modes) > 1
+    assert all(mode == "0o600" for name, mode in modes.items() if name != "."), modes
+    assert not os.path.exists(folder)  # removed at the end
 
 
 def test_cli_restarts_after_a_failure(tmp_path):
