@@ -54,7 +54,10 @@ def wrap_model(
     compiled = _compiled_inner(module)
     if compiled is not None:  # torch.compile(model): wrap the real module, keep its compilation
         inner, dynamo_ctx = compiled
-        inner._compiled_call_impl = dynamo_ctx(inner._call_impl)
+        # wrap_inline, as torch.compile does: dynamo does not trace torch.nn's own _call_impl frame
+        from torch._dynamo.external_utils import wrap_inline
+
+        inner._compiled_call_impl = dynamo_ctx(wrap_inline(inner._call_impl))
         module = inner
     if world.world_size > 1 and sync_batchnorm:
         if not world.device.startswith("cuda"):
@@ -63,7 +66,8 @@ def wrap_model(
                 "Leave it off for CPU (gloo) runs."
             )
         module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
-    module = module.to(world.device)
+    if not _on_device(module, world.device):
+        module = module.to(world.device)
     if world.world_size == 1 or not any(p.requires_grad for p in module.parameters()):
         return module
     batchnorm = torch.nn.modules.batchnorm._BatchNorm
@@ -80,6 +84,13 @@ def wrap_model(
     module.__class__ = _wrapped_class(type(module))
     CURRENT.wrapped.add(module)
     return module
+
+
+def _on_device(module: torch.nn.Module, device: str) -> bool:
+    """True when every parameter and buffer already lives on ``device`` (``.to`` would be a no-op)."""
+    target = torch.device(device)
+    tensors = [*module.parameters(), *module.buffers()]
+    return all(t.device == target or (target.index is None and t.device.type == target.type) for t in tensors)
 
 
 def is_wrapped(model: Any) -> bool:

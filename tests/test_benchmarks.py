@@ -1,0 +1,131 @@
+"""The benchmark suite's cheap parts: the GPU check's skip on CPU, and the harness end to end.
+
+The benchmarks themselves (``python benchmarks/run.py``) take minutes and are not tests; these
+check that the scripts import, that their reporting works, and that they leave no process behind.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def load(name: str) -> ModuleType:
+    """Import ``benchmarks/<name>.py`` (the folder is scripts, not a package)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))  # for their shared ``common`` module
+    module_name = f"autoddp_benchmarks_{name}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- gpu_check.py -------------------------------------------------------------------------
+
+
+def test_gpu_check_skips_cleanly_without_cuda(monkeypatch, capsys):
+    gpu_check = load("gpu_check")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert gpu_check.main([]) == 0
+    assert capsys.readouterr().out.strip() == "gpu_check: no CUDA device, skipped"
+
+
+def test_gpu_check_script_exits_0_without_cuda():
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_check.py")],
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},  # no GPU, even on a GPU machine
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "gpu_check: no CUDA device, skipped"
+
+
+# --- run.py -------------------------------------------------------------------------------
+
+
+def test_selftest_prints_table_then_json_with_every_key(capsys):
+    run = load("run")
+    run.main(["--selftest"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(lines[-1])
+    assert set(run.KEYS) <= set(result)
+    assert 0 < result["import_overhead_ms"] < 5000
+    assert isinstance(result["single_process_call_overhead_us"], float)
+    assert result["first_step_ratio_vs_torchrun"] is None  # not measured in a selftest
+    assert any("import autoddp, after torch" in line for line in lines[:-1])
+
+
+def test_summary_of_launch_and_step_figures():
+    run = load("run")
+    launch = {
+        "torchrun": [run.Launch(4.0, 6.0, 300_000, 200_000), run.Launch(5.0, 7.0, 300_000, 200_000)],
+        "decorator": [run.Launch(2.0, 3.0, 270_000, 150_000), run.Launch(3.0, 4.2, 300_000, 150_000)],
+        "cli": [run.Launch(4.0, 5.0, 300_000, 200_000), run.Launch(4.0, 5.6, 300_000, 200_000)],
+    }
+    steady_state = load("steady_state")
+    figures = steady_state.summarise([1.0, 1.1, 0.9, 1.2], [1.0, 1.0, 1.0, 1.0])
+    steps = {"small": {"pairs": 4, "wall": figures, "cpu": figures, "control": figures}}
+    table = run.Table()
+    calls = {"number_argument_us": [10.0, 12.0], "model_and_loader_us": [50.0, 60.0]}
+    result = run.summary(table, launch, steps, {"torch_ms": [900.0], "autoddp_ms": [30.0]}, calls)
+    assert result["first_step_ratio_vs_torchrun"] == pytest.approx((0.5 + 0.6) / 2)  # median of per-round
+    assert result["first_step_ratio_vs_torchrun_min"] == 0.5
+    assert result["worker_rss_ratio_vs_torchrun"] == pytest.approx((0.9 + 1.0) / 2)
+    assert result["step_time_ratio_small"] == pytest.approx(1.05)
+    assert result["step_time_ratio_small_control"] == pytest.approx(1.05)
+    assert result["single_process_call_overhead_us"] == 11.0
+    table.print()
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (killed, waiting to be reaped by its new parent)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_command_past_its_timeout_is_killed_with_everything_it_started(tmp_path):
+    run = load("run")
+    pid_file = tmp_path / "grandchild.pid"
+    # A child that starts a grandchild in a session of its own (as torchrun starts its workers).
+    script = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+        "start_new_session=True); "
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)"
+    )
+    with pytest.raises(subprocess.TimeoutExpired):
+        run.run_command([sys.executable, "-c", script], timeout=3)
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _running(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(grandchild)
+
+
+def test_step_summary_interval_contains_the_median():
+    steady_state = load("steady_state")
+    figures = steady_state.summarise([1.0 + i / 100 for i in range(50)], [1.0] * 50)
+    assert figures["ratio_ci_low"] <= figures["ratio"] <= figures["ratio_ci_high"]
+    assert figures["ratio"] == pytest.approx(1.245)
