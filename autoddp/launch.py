@@ -303,9 +303,10 @@ def _attempt(
         entry, entry_args = workers(folder)
         with loopback_store(nproc) as port:
             envs = worker_envs(nproc, port, uuid.uuid4().hex, attempt, folder)
-            context, result = _supervise(
-                entry, entry_args, envs, method, poll_seconds, output.logs_specs(folder, nproc)
-            )
+            logs = output.logs_specs(folder, nproc)
+            for env in envs.values():  # autoddp.print(all_ranks=True) must not prefix twice
+                env["AUTODDP_LINE_PREFIX"] = "1" if logs[1] else "0"
+            context, result = _supervise(entry, entry_args, envs, method, poll_seconds, logs)
         if result.is_failed():
             error = _first_failure(context, result, folder, nproc)
             _show_hidden_output(error, result, output.shown(nproc))

@@ -279,3 +279,22 @@ def test_in_a_world_bad_separators_fail_on_every_rank_as_in_the_builtin(rank):
             console.print("a", "b", sep=1)
         with pytest.raises(TypeError, match="end must be None or a string, not bytes"):
             console.print("a", end=b"\n")
+
+
+def test_no_double_prefix_when_the_launcher_prefixes_every_rank(tmp_path):
+    script = tmp_path / "prefixed.py"
+    script.write_text(
+        "import autoddp\n"
+        "@autoddp.distributed(nproc=2, ranks='all')\n"
+        "def f():\n"
+        "    autoddp.print('hello\\nworld', all_ranks=True)\n"
+        "f()\n"
+    )
+    proc = run_python([str(script)], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == [
+        "[rank 0] hello",
+        "[rank 0] world",
+        "[rank 1] hello",
+        "[rank 1] world",
+    ]
