@@ -32,21 +32,24 @@ def no_leftover_processes():
     assert not alive, f"processes left behind: {[(p.pid, p.cmdline()) for p in alive]}"
 
 
+#: Variables that launchers (torchrun, srun, mpirun, autoddp) set; tests start without them.
+LAUNCHER_PREFIXES = ("SLURM_", "SLURMD_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "TORCHELASTIC_", "AUTODDP_")
+LAUNCHER_NAMES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
 @pytest.fixture(autouse=True)
 def _clean_launcher_env(monkeypatch):
     """Tests start as plain processes, whatever launched pytest (torchrun, srun, mpirun...)."""
-    launcher = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "TORCHELASTIC_", "AUTODDP_")
-    single = (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "GROUP_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    )
     for name in list(os.environ):
-        if name.startswith(launcher) or name in single:
+        if name.startswith(LAUNCHER_PREFIXES) or name in LAUNCHER_NAMES:
             monkeypatch.delenv(name)
 
 

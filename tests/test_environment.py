@@ -33,18 +33,7 @@ from autoddp.environment import (
     slurm_port,
 )
 from autoddp.report import describe
-from conftest import run_python, write
-
-LAUNCHER_PREFIXES = ("SLURM_", "SLURMD_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "TORCHELASTIC_", "AUTODDP_")
-LAUNCHER_NAMES = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
+from conftest import LAUNCHER_NAMES, LAUNCHER_PREFIXES, run_python, write
 
 
 def _read_only(env: dict[str, str]) -> types.MappingProxyType:
