@@ -25,7 +25,7 @@ import torch
 from autoddp import environment, process_group, transport
 from autoddp.errors import AutoDDPError
 from autoddp.prepare import prepare
-from autoddp.world import RunOptions
+from autoddp.state import RunOptions
 
 
 @dataclasses.dataclass

@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from autoddp import environment, launch, nodes
+from autoddp import environment, hardware, launch, nodes
 from autoddp.errors import ConfigurationError
 
 _CONTEXT = {
@@ -26,7 +26,7 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 def _process_count(value: str | None) -> int:
-    gpus = environment.gpu_count()
+    gpus = hardware.gpu_count()
     if value is None or value in ("auto", "gpu"):
         if value == "gpu" and gpus == 0:
             _fail("--nproc-per-node=gpu but no GPU is visible; give a number, e.g. -n 2")
@@ -230,7 +230,7 @@ def _launch_nodes(
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, environment.cpu_count() // nproc)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, hardware.cpu_count() // nproc)))
     try:
         nodes.run_agent(
             plan,
@@ -259,7 +259,7 @@ def _launch(
         # Already one process of a distributed run (srun, mpirun, torchrun): no second layer.
         os.execv(sys.executable, [sys.executable, "-m", "autoddp._script", *argv])
     # The command's own process: this reaches the workers through their environment.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, environment.cpu_count() // nproc)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, hardware.cpu_count() // nproc)))
     try:
         launch.launch_script(
             argv, nproc=nproc, max_restarts=max_restarts, poll_seconds=monitor_interval, output=output

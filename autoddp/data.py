@@ -26,7 +26,8 @@ from torch.utils.data import (
 from torch.utils.data.distributed import DistributedSampler
 
 from autoddp.errors import ConfigurationError
-from autoddp.world import World, current
+from autoddp.state import World
+from autoddp.world import current
 
 __all__ = ["gather", "shard_loader"]
 

@@ -12,10 +12,10 @@ from typing import Any, TypeVar, overload
 
 import wrapt
 
-from autoddp import environment, launch, nodes, process_group
+from autoddp import environment, hardware, launch, nodes, process_group
 from autoddp.errors import ConfigurationError
 from autoddp.prepare import prepare
-from autoddp.world import RunOptions
+from autoddp.state import RunOptions
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -204,7 +204,7 @@ def _decorate(fn: Callable[..., Any], options: Options) -> DistributedFunction:
 
 def _call(options: Options, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     env = environment.detect()
-    gpus = environment.gpu_count()
+    gpus = hardware.gpu_count()
     backend = process_group.resolve_backend(options.backend, gpus)
     timeout = process_group.as_timeout(options.timeout)
     if env.launched:

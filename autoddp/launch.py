@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from autoddp import _worker, environment, transport
+from autoddp import _worker, environment, hardware, transport
 from autoddp.errors import ConfigurationError, SerializationError, WorkerError
 from autoddp.process_group import Backend
-from autoddp.world import RunOptions
+from autoddp.state import RunOptions
 
 START_METHODS = ("auto", "fork", "spawn")
 _POLL_SECONDS = 0.05
@@ -109,7 +109,7 @@ def choose_start_method(requested: str, backend: Backend) -> tuple[str, str]:
 def _fork_is_safe() -> tuple[bool, str]:
     if not sys.platform.startswith("linux"):
         return False, "fork is used on Linux only"
-    if environment.gpu_count() > 0 and (torch.cuda.is_initialized() or _cuda_poisons_fork()):
+    if hardware.gpu_count() > 0 and (torch.cuda.is_initialized() or _cuda_poisons_fork()):
         return False, (
             "CUDA was already initialised in this process (for example by "
             "torch.cuda.is_available()), and forked workers could not use it"
@@ -150,7 +150,7 @@ def worker_envs(
         "TORCHELASTIC_RUN_ID": run_id,
     }
     if "OMP_NUM_THREADS" not in os.environ:
-        common["OMP_NUM_THREADS"] = str(max(1, environment.cpu_count() // nproc))
+        common["OMP_NUM_THREADS"] = str(max(1, hardware.cpu_count() // nproc))
     return {r: {**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)}
 
 

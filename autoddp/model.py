@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from autoddp.errors import ConfigurationError
-from autoddp.world import CURRENT, World
+from autoddp.state import CURRENT, World
 
 _DDP_ATTR = "_autoddp_ddp"
 
@@ -82,7 +82,7 @@ def wrap_model(
     ddp = torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **dict(ddp_kwargs or {}))
     object.__setattr__(module, _DDP_ATTR, ddp)
     module.__class__ = _wrapped_class(type(module))
-    CURRENT.wrapped.add(module)
+    CURRENT.track(module, _DDP_STRATEGY)
     return module
 
 
@@ -234,3 +234,14 @@ def _wrapped_class(cls: type) -> type:
     for name, method in _user_methods(cls):
         namespace[name] = _watched(name, method)
     return types.new_class(cls.__name__, (cls,), exec_body=lambda ns: ns.update(namespace))
+
+
+class _DDPRelease:
+    """Lets the run's teardown release models wrapped here (until the strategy seam lands)."""
+
+    @staticmethod
+    def release(model: torch.nn.Module) -> None:
+        release(model)
+
+
+_DDP_STRATEGY = _DDPRelease()

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from autoddp.world import CURRENT, current
+from autoddp.state import CURRENT
+from autoddp.world import current
 
 
 @functools.singledispatch

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from autoddp.errors import ConfigurationError
-from autoddp.world import CURRENT, RunOptions, World
+from autoddp.state import CURRENT, RunOptions, World
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -107,13 +107,10 @@ def joined(
             **kwargs,
         )
         created = True
-    active = dataclasses.replace(world, device=device, backend=backend.label)
-    with CURRENT.joined(active, options):
+    active = dataclasses.replace(world, device=device)
+    with CURRENT.joined(active, options, timeout):
         yield active
     if created:
-        from autoddp.model import release
-
-        for model in list(CURRENT.wrapped):
-            release(model)
+        CURRENT.release_wrapped()
         gc.collect()
         dist.destroy_process_group()

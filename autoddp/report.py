@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from autoddp import environment
+from autoddp import environment, hardware
 
 _WIDTH = 100
 _LABEL = 15
@@ -42,7 +42,7 @@ def describe(environ: Mapping[str, str] | None = None, *, name_gpus: bool = True
     """
     environ = os.environ if environ is None else environ
     try:
-        gpus = environment.gpu_count()
+        gpus = hardware.gpu_count()
     except Exception:
         gpus = 0
     # Before anything that may initialise CUDA: the start method depends on it.
@@ -57,7 +57,7 @@ def describe(environ: Mapping[str, str] | None = None, *, name_gpus: bool = True
         ("NCCL", _safe(_nccl_version)),
         ("distributed", _safe(_distributed_backends)),
         ("GPUs", _safe(lambda: _gpus(gpus, name_gpus))),
-        ("CPUs", _safe(lambda: f"{environment.cpu_count()} usable by this process")),
+        ("CPUs", _safe(lambda: f"{hardware.cpu_count()} usable by this process")),
     ]
     settings = ", ".join(f"{name}={environ[name]!r}" for name in _SETTINGS if name in environ)
     return "\n".join(

@@ -25,7 +25,8 @@ from torch.utils.data.distributed import DistributedSampler
 import autoddp
 from autoddp import ConfigurationError
 from autoddp.data import gather, shard_loader
-from autoddp.world import World, current
+from autoddp.state import World
+from autoddp.world import current
 
 
 class Indices(Dataset):

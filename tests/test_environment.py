@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from autoddp import ConfigurationError, environment
+from autoddp import ConfigurationError, environment, hardware
 from autoddp.environment import (
     MPICH,
     PORT_BASE,
@@ -443,11 +443,11 @@ def test_plain_process():
 
 
 def test_gpu_assignment_and_idle_gpus(monkeypatch):
-    monkeypatch.setattr(environment, "gpu_count", lambda: 1)  # --gpus-per-task=1: each task sees one GPU
+    monkeypatch.setattr(hardware, "gpu_count", lambda: 1)  # --gpus-per-task=1: each task sees one GPU
     assert found(srun_task(3, ntasks=4)).world().device == "cuda:0"
-    monkeypatch.setattr(environment, "gpu_count", lambda: 4)  # every GPU of the node visible
+    monkeypatch.setattr(hardware, "gpu_count", lambda: 4)  # every GPU of the node visible
     assert found(srun_task(3, ntasks=4)).world().device == "cuda:3"
-    monkeypatch.setattr(environment, "gpu_count", lambda: 8)  # one task per node on an 8-GPU node
+    monkeypatch.setattr(hardware, "gpu_count", lambda: 8)  # one task per node on an 8-GPU node
     explanation = found(srun_task(1, ntasks=2, nodes=["n1", "n2"])).explain()
     assert "7 GPU(s) stay idle" in explanation and "--ntasks-per-node=8" in explanation
 
@@ -478,7 +478,7 @@ def test_report_in_a_plain_process():
     text = describe(plain_environ(), name_gpus=False)  # this test process keeps CUDA untouched
     labels = {line.split()[0] for line in text.splitlines()[1:] if line[:1].strip() or line[2:3].strip()}
     assert {"python", "torch", "CUDA", "NCCL", "GPUs", "environment", "backend", "start", "port"} <= labels
-    gpus = environment.gpu_count()
+    gpus = hardware.gpu_count()
     assert ("GPUs none" if gpus == 0 else f"GPUs {gpus} (names not read") in flat(text)
     assert "environment plain process; @distributed starts its own workers" in flat(text)
     assert "why no launcher variables set" in flat(text)

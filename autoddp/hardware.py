@@ -1,0 +1,54 @@
+"""What this machine offers a run: visible GPUs, usable CPU cores, each rank's device and threads.
+
+A leaf module: probes only, nothing here initialises CUDA (so fork stays usable) or writes the
+environment.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+
+
+def gpu_count() -> int:
+    """Visible CUDA GPUs, counted without initialising CUDA (so fork stays usable)."""
+    if not torch.backends.cuda.is_built():
+        return 0
+    return torch.cuda.device_count()
+
+
+def cpu_count() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def default_device(local_rank: int) -> str:
+    """``cuda:<local_rank>`` when that GPU is visible, else the CPU."""
+    return f"cuda:{local_rank}" if gpu_count() > local_rank else "cpu"
+
+
+def task_device(local_rank: int) -> str:
+    """The GPU of a task a scheduler started: ``cuda:<local_rank % visible GPUs>``, else the CPU.
+
+    With every GPU of the node visible this is ``cuda:<local_rank>``; with per-task binding
+    (``--gpus-per-task``, ``--gpu-bind``) each task sees only its share, counted from 0.
+    """
+    gpus = gpu_count()
+    return f"cuda:{local_rank % gpus}" if gpus else "cpu"
+
+
+def omp_threads(nproc: int, environ: Mapping[str, str] | None = None) -> str | None:
+    """``OMP_NUM_THREADS`` for workers sharing this machine: cores // processes, or None if set.
+
+    The user's own setting always wins (None then: nothing to set). Without it, N processes each
+    running torch's default of one thread per core would oversubscribe the cores N times.
+    """
+    environ = os.environ if environ is None else environ
+    if "OMP_NUM_THREADS" in environ:
+        return None
+    return str(max(1, cpu_count() // max(nproc, 1)))

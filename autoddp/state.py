@@ -1,0 +1,85 @@
+"""The one explicit record of "the current world": where this process stands and what it wrapped.
+
+``World`` describes a process's place in a job (immutable). ``Run`` holds what changes while a
+process takes part in one: the world it joined, the run's options, the timeout its process
+group was given, and the models wrapped for it (so that they can let go of their process group
+before it ends). ``CURRENT`` is the only instance; the process-group lifecycle
+(``autoddp.process_group.joined``) is the only code that enters and leaves it. A leaf module:
+nothing here imports the rest of autoddp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import weakref
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """Where this process stands in a distributed job."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    device: str = "cpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How models are treated in the current run (set by ``@distributed``'s options)."""
+
+    ddp_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    sync_batchnorm: bool = False
+
+
+class Releasing(Protocol):
+    """What wrapped a model: it can let go of the model's process group (a model strategy)."""
+
+    def release(self, model: Any) -> None: ...
+
+
+class Run:
+    """The world this process has joined, if any, with the run's options and wrapped models."""
+
+    def __init__(self) -> None:
+        self.world: World | None = None
+        self.options: RunOptions = RunOptions()
+        #: The timeout autoddp gave the process group (None: torch's default, or a group the user made).
+        self.timeout: datetime.timedelta | None = None
+        self._wrapped: weakref.WeakKeyDictionary[Any, Releasing] = weakref.WeakKeyDictionary()
+
+    @contextlib.contextmanager
+    def joined(
+        self,
+        world: World,
+        options: RunOptions | None = None,
+        timeout: datetime.timedelta | None = None,
+    ) -> Iterator[World]:
+        """Make ``world`` the current one for the block (the previous one comes back after it)."""
+        previous = self.world, self.options, self.timeout
+        self.world, self.options, self.timeout = world, options or RunOptions(), timeout
+        try:
+            yield world
+        finally:
+            self.world, self.options, self.timeout = previous
+
+    def track(self, model: Any, strategy: Releasing) -> None:
+        """Remember that ``strategy`` wrapped ``model`` for this run (weakly: the model may go)."""
+        self._wrapped[model] = strategy
+
+    def release_wrapped(self) -> None:
+        """Have every wrapped model still alive let go of the process group (before it is destroyed)."""
+        for model, strategy in list(self._wrapped.items()):
+            strategy.release(model)
+        self._wrapped.clear()
+
+
+CURRENT = Run()
