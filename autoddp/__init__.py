@@ -1,5 +1,6 @@
 """autoddp: run a plain single-GPU PyTorch train function on every GPU with one decorator."""
 
+from autoddp._version import __version__ as __version__
 from autoddp.checkpoint import load, save
 from autoddp.console import print as print  # public, but kept out of __all__ (see below)
 from autoddp.console import progress
@@ -14,12 +15,10 @@ from autoddp.errors import (
     SerializationError,
     WorkerError,
 )
-from autoddp.model import unwrap
-from autoddp.prepare import prepare
-from autoddp.rank0 import rank0
+from autoddp.models import unwrap
+from autoddp.preparation import prepare
+from autoddp.rank0_control import rank0
 from autoddp.world import barrier, device, is_main, local_rank, rank, world_size
-
-__version__ = "0.1.0"
 
 # autoddp.print is public but left out of __all__: `from autoddp import *` must not replace print.
 

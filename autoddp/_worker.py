@@ -6,51 +6,29 @@ multiprocessing); fresh interpreters through ``python -m autoddp._worker_main FO
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ctypes
-import dataclasses
-import datetime
 import faulthandler
 import gc
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from autoddp import environment, process_group, transport
+from autoddp import _compat, environment, transport
 from autoddp.errors import AutoDDPError
-from autoddp.prepare import prepare
-from autoddp.state import RunOptions
+from autoddp.running import Job, portable, run_in_world
 
 
-@dataclasses.dataclass
-class Job:
-    """Everything a worker needs to run the user's function."""
-
-    fn: Callable[..., Any]
-    args: tuple
-    kwargs: dict
-    backend: process_group.Backend
-    timeout: datetime.timedelta | None
-    options: RunOptions
-    folder: str
-
-    @property
-    def fn_name(self) -> str:
-        return getattr(self.fn, "__qualname__", repr(self.fn))
-
-
-def run_forked(job: Job) -> None:
+def run_forked(job: Job, folder: str) -> None:
     """Entry point of a forked worker. Returns only on success, as elastic expects."""
     # Objects inherited from the caller are not ours to collect: freeing one that owns a thread
     # in the caller (a TCPStore server, say) would wait forever for a thread this copy lacks.
     gc.freeze()
-    code = _execute(job)
+    code = _execute(job, folder)
     if code:
         _leave(code, run_atexit=False)  # atexit handlers belong to the parent we were forked from
 
@@ -60,34 +38,29 @@ def main() -> None:
     folder = sys.argv[1]
     _set_up_process()
     try:
-        job = transport.load_job(folder)
-        job.folder = folder  # the job was pickled once for all attempts; this attempt's folder
+        job = transport.load_job(folder)  # pickled once for all attempts; the folder is this attempt's
     except BaseException as exc:
         transport.save_error(folder, int(os.environ.get("RANK", "0")), exc)
         _leave(1)
-    _leave(_execute(job))
+    _leave(_execute(job, folder))
 
 
-def _execute(job: Job) -> int:
+def _execute(job: Job, folder: str) -> int:
     _set_up_process()
     world = environment.detect().world()
-    _STACK_DUMP.arm(job.folder, world.rank)
+    _STACK_DUMP.arm(folder, world.rank)
     try:
-        if job.backend.use_cuda and getattr(torch._C, "_cuda_isInBadFork", lambda: False)():
+        if job.backend.use_cuda and _compat.cuda_in_bad_fork():
             raise AutoDDPError(
                 "CUDA was initialised in the calling process before the workers were forked; "
                 "use start_method='spawn' (or 'auto', which detects this)"
             )
-        with process_group.joined(world, job.backend, job.timeout, job.options) as active:
-            args, kwargs = prepare(job.args), prepare(job.kwargs)
-            result = job.fn(*args, **kwargs)
-            del args, kwargs
-            if active.rank == 0:
-                transport.save_result(job.folder, result, job.fn_name)
-            del result
+        result = run_in_world(job, world, finish=portable)
+        if world.rank == 0:
+            transport.save_result(folder, result, job.fn_name)
         return 0
     except BaseException as exc:
-        transport.save_error(job.folder, world.rank, exc)
+        transport.save_error(folder, world.rank, exc)
         return 1
 
 
@@ -144,5 +117,5 @@ def _leave(code: int, run_atexit: bool = True) -> None:
         with contextlib.suppress(Exception):  # a closed stream must not block the exit
             stream.flush()
     if run_atexit:
-        atexit._run_exitfuncs()
+        _compat.run_atexit_hooks()
     os._exit(code)

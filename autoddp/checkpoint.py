@@ -17,7 +17,6 @@ loads into the undecorated model too. Resume pattern::
 from __future__ import annotations
 
 import contextlib
-import copy
 import errno
 import os
 import uuid
@@ -25,8 +24,8 @@ from typing import Any
 
 import torch
 
-from autoddp.model import unwrap
-from autoddp.rank0 import decorate
+from autoddp import _containers, models
+from autoddp.rank0_control import decorate
 from autoddp.world import device
 
 # Temporary files are named ".<checkpoint name>.<random>.autoddp-tmp" next to the checkpoint.
@@ -38,10 +37,12 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
     """Write ``obj`` to ``path`` from rank 0 only, atomically; every rank returns once it is complete.
 
     Modules (also DDP-wrapped or compiled), optimizers and anything else with ``state_dict()``,
-    at the top or inside dicts, lists and tuples, are saved as their state dicts. A failure on
-    rank 0 raises there and as ``Rank0Error`` on the other ranks.
+    at the top or inside dicts, lists, tuples and dataclasses, are saved as their state dicts.
+    Every rank builds that state first (a sharded model assembles its full state with a
+    collective), then rank 0 writes it. A failure on rank 0 raises there and as ``Rank0Error`` on
+    the other ranks.
     """
-    _write_on_rank0(obj, os.fspath(path))
+    _write_on_rank0(_plain_state(obj), os.fspath(path))
 
 
 def load(path: str | os.PathLike[str], default: Any = _MISSING, *, weights_only: bool = True) -> Any:
@@ -65,7 +66,7 @@ def load(path: str | os.PathLike[str], default: Any = _MISSING, *, weights_only:
         ) from None
 
 
-def _write(obj: Any, path: str) -> None:
+def _write(state: Any, path: str) -> None:
     """Rank 0's part of ``save``: temporary file, fsync, atomic rename, fsync of the folder."""
     folder, name = os.path.split(os.path.abspath(path))
     if not os.path.isdir(folder):
@@ -75,7 +76,6 @@ def _write(obj: Any, path: str) -> None:
             "create it first (os.makedirs(folder, exist_ok=True))",
             folder,
         )
-    state = _plain_state(obj)
     temporary = os.path.join(folder, f".{name}.{uuid.uuid4().hex[:12]}{TEMPORARY_SUFFIX}")
     # Created like open(path, "wb") would (permissions from the umask), but never replacing a file.
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
@@ -104,27 +104,14 @@ def _plain_state(obj: Any) -> Any:
     metadata.
     """
     if isinstance(obj, torch.nn.Module):
-        return unwrap(obj).state_dict()
+        return models.state_dict(obj)
     if isinstance(obj, (torch.Tensor, type)):
         return obj
-    if isinstance(obj, dict):
-        changed = {key: new for key, value in obj.items() if (new := _plain_state(value)) is not value}
-        if not changed:
-            return obj
-        result = copy.copy(obj)
-        result.update(changed)
-        return result
-    if isinstance(obj, (list, tuple)):
-        items = [_plain_state(value) for value in obj]
-        if all(new is old for new, old in zip(items, obj, strict=True)):
-            return obj
-        if isinstance(obj, list):
-            return items
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    state_dict = getattr(obj, "state_dict", None)
-    if callable(state_dict):
-        return state_dict()
-    return obj
+    if not isinstance(obj, (dict, list, tuple)):
+        state_dict = getattr(obj, "state_dict", None)
+        if callable(state_dict):
+            return state_dict()
+    return _containers.map_items(obj, _plain_state)
 
 
 def _remove_stale_temporaries(folder: str, name: str) -> None:

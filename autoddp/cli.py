@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from autoddp import environment, hardware, launch, nodes
+from autoddp import environment, hardware, launch
 from autoddp.errors import ConfigurationError
 
 _CONTEXT = {
@@ -209,7 +209,7 @@ def main(
     if master is None and master_addr is not None:
         master = f"{master_addr}:{master_port or 29500}"
     try:
-        plan = nodes.plan(nnodes, node_rank, master, rdzv_endpoint, rdzv_backend, rdzv_id)
+        plan = launch.plan(nnodes, node_rank, master, rdzv_endpoint, rdzv_backend, rdzv_id)
     except ConfigurationError as error:
         _fail(str(error))
     argv = [*(["--module"] if as_module else []), script, *script_args]
@@ -224,15 +224,14 @@ def main(
 
 
 def _launch_nodes(
-    plan: nodes.Nodes, nproc: int, argv: list[str], max_restarts: int, monitor_interval: float
+    plan: launch.Nodes, nproc: int, argv: list[str], max_restarts: int, monitor_interval: float
 ) -> int:
     """This machine's share of a multi-node run, through elastic's agent and rendezvous."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, hardware.cpu_count() // nproc)))
     try:
-        nodes.run_agent(
+        launch.run_agent(
             plan,
             nproc,
             ["-m", "autoddp._script", *argv],
@@ -241,7 +240,7 @@ def _launch_nodes(
         )
     except ChildFailedError as error:
         click.echo(
-            f"autoddp: {nodes.describe_failure(error, nproc * plan.max_nodes)}; its traceback is above",
+            f"autoddp: {launch.describe_failure(error, nproc * plan.max_nodes)}; its traceback is above",
             err=True,
         )
         return 1
@@ -258,8 +257,6 @@ def _launch(
     if environment.detect().launched:
         # Already one process of a distributed run (srun, mpirun, torchrun): no second layer.
         os.execv(sys.executable, [sys.executable, "-m", "autoddp._script", *argv])
-    # The command's own process: this reaches the workers through their environment.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, hardware.cpu_count() // nproc)))
     try:
         launch.launch_script(
             argv, nproc=nproc, max_restarts=max_restarts, poll_seconds=monitor_interval, output=output

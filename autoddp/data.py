@@ -25,6 +25,7 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
+from autoddp import _compat
 from autoddp.errors import ConfigurationError
 from autoddp.state import World
 from autoddp.world import current
@@ -179,7 +180,7 @@ def shard_loader(loader: DataLoader, world: World) -> DataLoader:
         else:
             new_batch_sampler = None
 
-    if loader._iterator is None:
+    if _compat.loader_iterator(loader) is None:
         # DataLoader.__setattr__ refuses these names after __init__; nothing else holds them yet.
         object.__setattr__(loader, "sampler", new_sampler)
         object.__setattr__(loader, "batch_sampler", new_batch_sampler)

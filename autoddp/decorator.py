@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import difflib
 import functools
 import inspect
 import warnings
@@ -12,9 +13,10 @@ from typing import Any, TypeVar, overload
 
 import wrapt
 
-from autoddp import environment, hardware, launch, nodes, process_group
+from autoddp import environment, hardware, launch, process_group
 from autoddp.errors import ConfigurationError
-from autoddp.prepare import prepare
+from autoddp.preparation import prepare
+from autoddp.running import Job, run_in_world
 from autoddp.state import RunOptions
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -22,7 +24,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """The decorator's options, checked when the function is decorated."""
+    """The decorator's options, checked when the function is decorated.
+
+    The one list of them: ``distributed``'s signature is made from these fields.
+    """
 
     nproc: int | None = None
     backend: str | None = None
@@ -76,9 +81,22 @@ class Options:
         if not isinstance(self.sync_batchnorm, bool):
             raise ConfigurationError(f"sync_batchnorm={self.sync_batchnorm!r} must be True or False")
 
+    @classmethod
+    def from_keywords(cls, options: Mapping[str, Any]) -> Options:
+        """Options from ``@distributed(**options)``; an unknown name is a ConfigurationError."""
+        names = [field.name for field in dataclasses.fields(cls)]
+        for name in options:
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=1)
+                hint = f"; did you mean {close[0]}=?" if close else ""
+                raise ConfigurationError(
+                    f"@distributed has no option {name!r}{hint} Its options are: {', '.join(names)}"
+                )
+        return cls(**options)
+
     @property
-    def nodes(self) -> nodes.Nodes:
-        return nodes.plan(self.nnodes, self.node_rank, self.master)
+    def nodes(self) -> launch.Nodes:
+        return launch.plan(self.nnodes, self.node_rank, self.master)
 
     @property
     def run_options(self) -> RunOptions:
@@ -109,38 +127,8 @@ class DistributedFunction(wrapt.FunctionWrapper):
 @overload
 def distributed(fn: F, /) -> F: ...
 @overload
-def distributed(
-    *,
-    nproc: int | None = None,
-    backend: str | None = None,
-    start_method: str = "auto",
-    timeout: float | datetime.timedelta | None = None,
-    ddp: Mapping[str, Any] | None = None,
-    sync_batchnorm: bool = False,
-    max_restarts: int = 0,
-    nnodes: int | str | None = None,
-    node_rank: int | None = None,
-    master: str | None = None,
-    ranks: str = "0",
-    log_dir: str | None = None,
-) -> Callable[[F], F]: ...
-def distributed(
-    fn: Callable[..., Any] | None = None,
-    /,
-    *,
-    nproc: int | None = None,
-    backend: str | None = None,
-    start_method: str = "auto",
-    timeout: float | datetime.timedelta | None = None,
-    ddp: Mapping[str, Any] | None = None,
-    sync_batchnorm: bool = False,
-    max_restarts: int = 0,
-    nnodes: int | str | None = None,
-    node_rank: int | None = None,
-    master: str | None = None,
-    ranks: str = "0",
-    log_dir: str | None = None,
-) -> Any:
+def distributed(fn: None = None, /, **options: Any) -> Callable[[F], F]: ...
+def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     """Make ``fn`` run once per device, each process in a ready process group.
 
     Use bare (``@distributed``) or with options (``@distributed(nproc=2)``). Calling the
@@ -168,23 +156,21 @@ def distributed(
     to DistributedDataParallel; ``sync_batchnorm=True`` converts BatchNorm to SyncBatchNorm),
     loaders get a DistributedSampler whose epoch advances by itself.
     """
-    options = Options(
-        nproc=nproc,
-        backend=backend,
-        start_method=start_method,
-        timeout=timeout,
-        ddp=ddp,
-        sync_batchnorm=sync_batchnorm,
-        max_restarts=max_restarts,
-        nnodes=nnodes,
-        node_rank=node_rank,
-        master=master,
-        ranks=ranks,
-        log_dir=log_dir,
-    )
+    checked = Options.from_keywords(options)
     if fn is None:
-        return functools.partial(_decorate, options=options)
-    return _decorate(fn, options)
+        return functools.partial(_decorate, options=checked)
+    return _decorate(fn, checked)
+
+
+distributed.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [inspect.Parameter("fn", inspect.Parameter.POSITIONAL_ONLY, default=None)]
+    + [
+        inspect.Parameter(
+            field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default, annotation=field.type
+        )
+        for field in dataclasses.fields(Options)
+    ]
+)
 
 
 def _decorate(fn: Callable[..., Any], options: Options) -> DistributedFunction:
@@ -206,7 +192,7 @@ def _call(options: Options, wrapped: Callable[..., Any], instance: Any, args: tu
     env = environment.detect()
     gpus = hardware.gpu_count()
     backend = process_group.resolve_backend(options.backend, gpus)
-    timeout = process_group.as_timeout(options.timeout)
+    job = Job(wrapped, args, kwargs, backend, process_group.as_timeout(options.timeout), options.run_options)
     if env.launched:
         world = env.world()
         if options.nproc is not None and options.nproc != world.local_world_size:
@@ -218,33 +204,17 @@ def _call(options: Options, wrapped: Callable[..., Any], instance: Any, args: tu
                 UserWarning,
                 stacklevel=3,
             )
-        with process_group.joined(world, backend, timeout, options.run_options):
-            return prepare(wrapped(*prepare(args), **prepare(kwargs)))
+        return run_in_world(job, world, finish=prepare)
     nproc = options.process_count(backend, gpus)
     plan = options.nodes
     if plan.multi:
-        return launch.launch_nodes(
-            wrapped,
-            args,
-            kwargs,
-            plan=plan,
-            nproc=nproc,
-            backend=backend,
-            timeout=timeout,
-            options=options.run_options,
-            max_restarts=options.max_restarts,
-        )
+        return launch.launch_nodes(job, plan=plan, nproc=nproc, max_restarts=options.max_restarts)
     if nproc == 1:
-        return prepare(wrapped(*prepare(args), **prepare(kwargs)))
-    return launch.launch(
-        wrapped,
-        args,
-        kwargs,
+        return run_in_world(job, env.world(), finish=prepare)
+    return launch.launch_function(
+        job,
         nproc=nproc,
-        backend=backend,
         start_method=options.start_method,
-        timeout=timeout,
-        options=options.run_options,
         max_restarts=options.max_restarts,
         output=launch.Output(options.ranks, options.log_dir),
     )

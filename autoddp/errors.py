@@ -87,3 +87,10 @@ class CollectiveInRank0Error(AutoDDPError):
 
     Only rank 0 runs that body, so the collective could never complete: it would hang.
     """
+
+
+class TorchCompatibilityError(AutoDDPError, RuntimeError):
+    """This torch lacks a private piece autoddp relies on (it changed between releases).
+
+    Raised by ``autoddp._compat`` instead of guessing; the message names the piece and the fix.
+    """

@@ -71,11 +71,12 @@ def joined(
 ) -> Iterator[World]:
     """Join the default process group for ``world`` (or reuse one the user made) for the block.
 
-    The GPU is pinned before anything touches CUDA. A group created here is destroyed when the
-    block ends normally; first every wrapped model lets go of its DDP wrapper and garbage is
-    collected, so no DDP outlives the group (freeing one afterwards can deadlock gloo). After an
-    error the group is left to the process's exit: the other ranks may still be inside a
-    collective with it.
+    The GPU is pinned before anything touches CUDA (in a world of several processes; one process
+    keeps CUDA's default device). A group created here is destroyed when the block ends
+    normally; first every wrapped model lets go of the group (``Run.release_wrapped``: a DDP
+    wrapper is dropped) and garbage is collected, so no DDP outlives the group (freeing one
+    afterwards can deadlock gloo). After an error the group is left to the process's exit: the
+    other ranks may still be inside a collective with it.
     """
     import torch.distributed as dist
 
@@ -83,7 +84,8 @@ def joined(
         # the environment's choice: cuda:<local rank>, or the one GPU a scheduler bound to this task
         index = int(world.device.split(":")[1]) if world.device.startswith("cuda:") else world.local_rank
         device = f"cuda:{index}"
-        torch.cuda.set_device(index)
+        if world.world_size > 1:
+            torch.cuda.set_device(index)
     else:
         device = "cpu"
     created = False

@@ -152,9 +152,9 @@ def _autoddp_version() -> str:
     try:
         return version("autoddp")
     except PackageNotFoundError:
-        import autoddp
+        from autoddp._version import __version__
 
-        return autoddp.__version__
+        return __version__
 
 
 def _python() -> str:

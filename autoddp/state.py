@@ -36,6 +36,7 @@ class World:
 class RunOptions:
     """How models are treated in the current run (set by ``@distributed``'s options)."""
 
+    strategy: str = "ddp"
     ddp_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     sync_batchnorm: bool = False
 

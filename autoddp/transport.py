@@ -23,7 +23,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import cloudpickle
-import torch
 
 from autoddp.errors import RemoteError, RemoteTraceback, SerializationError
 
@@ -115,30 +114,10 @@ def load_job(folder: str) -> Any:
 # --- rank 0's return value -----------------------------------------------------------------
 
 
-def portable(value: Any) -> Any:
-    """A copy of ``value`` fit for the caller: tensors detached on the CPU, models unwrapped."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, torch.nn.Module):
-        from autoddp.model import unwrap
-
-        return unwrap(value).cpu()
-    if isinstance(value, dict):
-        try:
-            return type(value)((k, portable(v)) for k, v in value.items())
-        except TypeError:  # a mapping type with its own constructor: leave it as it is
-            return value
-    if isinstance(value, list) and type(value) is list:
-        return [portable(v) for v in value]
-    if isinstance(value, tuple):
-        items = [portable(v) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    return value
-
-
 def save_result(folder: str, value: Any, fn_name: str) -> None:
+    """Pickle rank 0's (already portable) return value for the caller."""
     try:
-        data = dumps(portable(value))
+        data = dumps(value)
     except Exception as exc:
         raise SerializationError(
             f"the return value of {fn_name}() ({type(value).__name__}) cannot be sent back to the "

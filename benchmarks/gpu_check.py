@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import autoddp
-from autoddp.model import ddp_of
+from autoddp.models.ddp import ddp_of
 
 SKIP_MESSAGE = "gpu_check: no CUDA device, skipped"
 BLOCKS = 15  # timed block pairs per model and mode

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import autoddp
-from autoddp.model import ddp_of, is_wrapped
+from autoddp.models.ddp import ddp_of, is_wrapped
 
 
 class Net(nn.Module):

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from autoddp import ConfigurationError, nodes
+from autoddp import ConfigurationError
+from autoddp.launch import nodes
 from conftest import write
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import autoddp
 from autoddp.errors import CollectiveInRank0Error, ConfigurationError, Rank0Error
-from autoddp.rank0 import rank0
+from autoddp.rank0_control import rank0
 from conftest import run_python, write
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -278,7 +278,7 @@ def test_module_level_block_in_a_script_run_once_per_rank(tmp_path):
         import sys
         import torch.distributed as dist
         import autoddp
-        from autoddp.rank0 import rank0
+        from autoddp.rank0_control import rank0
 
         dist.init_process_group("gloo")
         with rank0():
@@ -300,7 +300,7 @@ COVERAGE_SCRIPT = """
     import os, sys
     import torch.distributed as dist
     import autoddp
-    from autoddp.rank0 import rank0
+    from autoddp.rank0_control import rank0
 
 
     def helper(rank):

@@ -1,4 +1,4 @@
-"""Model wrapping: move to the device, wrap in DDP, and keep the user's module transparent.
+"""The DDP strategy: move to the device, wrap in DDP, and keep the user's module transparent.
 
 The object the user gets back is their own module: its class is swapped for a cached subclass
 whose ``__call__`` goes through DistributedDataParallel when gradients are being recorded. So
@@ -21,10 +21,22 @@ from typing import Any
 
 import torch
 
+from autoddp import _compat
 from autoddp.errors import ConfigurationError
-from autoddp.state import CURRENT, World
+from autoddp.models.strategy import Strategy
+from autoddp.state import CURRENT, RunOptions, World
 
 _DDP_ATTR = "_autoddp_ddp"
+
+#: BatchNorm layers (torch's public classes) whose statistics stay per process without sync_batchnorm.
+_BATCHNORMS = (
+    torch.nn.BatchNorm1d,
+    torch.nn.BatchNorm2d,
+    torch.nn.BatchNorm3d,
+    torch.nn.LazyBatchNorm1d,
+    torch.nn.LazyBatchNorm2d,
+    torch.nn.LazyBatchNorm3d,
+)
 
 
 class _Routing(threading.local):
@@ -51,13 +63,10 @@ def wrap_model(
     """
     if is_wrapped(module) or isinstance(module, torch.nn.parallel.DistributedDataParallel):
         return module
-    compiled = _compiled_inner(module)
+    compiled = _compat.compiled_parts(module)
     if compiled is not None:  # torch.compile(model): wrap the real module, keep its compilation
         inner, dynamo_ctx = compiled
-        # wrap_inline, as torch.compile does: dynamo does not trace torch.nn's own _call_impl frame
-        from torch._dynamo.external_utils import wrap_inline
-
-        inner._compiled_call_impl = dynamo_ctx(wrap_inline(inner._call_impl))
+        _compat.compile_in_place(inner, dynamo_ctx)
         module = inner
     if world.world_size > 1 and sync_batchnorm:
         if not world.device.startswith("cuda"):
@@ -70,8 +79,7 @@ def wrap_model(
         module = module.to(world.device)
     if world.world_size == 1 or not any(p.requires_grad for p in module.parameters()):
         return module
-    batchnorm = torch.nn.modules.batchnorm._BatchNorm
-    if not sync_batchnorm and any(isinstance(m, batchnorm) for m in module.modules()):
+    if not sync_batchnorm and any(isinstance(m, _BATCHNORMS) for m in module.modules()):
         warnings.warn(
             f"{type(module).__name__} has BatchNorm layers: each process normalises with the statistics "
             "of its own batch. Pass sync_batchnorm=True to @distributed to synchronise them.",
@@ -82,7 +90,7 @@ def wrap_model(
     ddp = torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **dict(ddp_kwargs or {}))
     object.__setattr__(module, _DDP_ATTR, ddp)
     module.__class__ = _wrapped_class(type(module))
-    CURRENT.track(module, _DDP_STRATEGY)
+    CURRENT.track(module, DDP)
     return module
 
 
@@ -103,21 +111,6 @@ def ddp_of(model: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel 
     return model.__dict__.get(_DDP_ATTR)
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's own module behind DDP and ``torch.compile`` wrappers.
-
-    For a module autoddp wrapped, that is the module itself: its ``state_dict`` is already
-    plain, and pickling or deep-copying it gives an instance of the user's class.
-    """
-    while True:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif (compiled := _compiled_inner(model)) is not None:
-            model = compiled[0]
-        else:
-            return model
-
-
 def release(model: torch.nn.Module) -> None:
     """Detach the DDP wrapper from ``model`` (before its process group is destroyed).
 
@@ -127,14 +120,6 @@ def release(model: torch.nn.Module) -> None:
     if is_wrapped(model):
         del model.__dict__[_DDP_ATTR]
         model.__class__ = model.__class__._autoddp_plain_class
-
-
-def _compiled_inner(model: Any) -> tuple[torch.nn.Module, Any] | None:
-    """The module and compile context inside a ``torch.compile`` result (without importing dynamo)."""
-    if type(model).__name__ != "OptimizedModule":
-        return None
-    inner, context = getattr(model, "_orig_mod", None), getattr(model, "dynamo_ctx", None)
-    return (inner, context) if isinstance(inner, torch.nn.Module) and context is not None else None
 
 
 # --- the swapped class --------------------------------------------------------------------
@@ -227,6 +212,7 @@ def _wrapped_class(cls: type) -> type:
         "__reduce_ex__": _reduce_ex,
         "no_sync": _no_sync,
         "_autoddp_plain_class": cls,
+        "_autoddp_strategy": DDP,
         "__module__": cls.__module__,
         "__qualname__": cls.__qualname__,
         "__doc__": cls.__doc__,
@@ -236,12 +222,16 @@ def _wrapped_class(cls: type) -> type:
     return types.new_class(cls.__name__, (cls,), exec_body=lambda ns: ns.update(namespace))
 
 
-class _DDPRelease:
-    """Lets the run's teardown release models wrapped here (until the strategy seam lands)."""
+class DDPStrategy(Strategy):
+    """DistributedDataParallel behind the user's own module (class swap, see the module docstring)."""
 
-    @staticmethod
-    def release(model: torch.nn.Module) -> None:
+    name = "ddp"
+
+    def wrap(self, module: torch.nn.Module, world: World, options: RunOptions) -> torch.nn.Module:
+        return wrap_model(module, world, ddp_kwargs=options.ddp_kwargs, sync_batchnorm=options.sync_batchnorm)
+
+    def release(self, model: torch.nn.Module) -> None:
         release(model)
 
 
-_DDP_STRATEGY = _DDPRelease()
+DDP = DDPStrategy()

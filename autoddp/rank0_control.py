@@ -25,11 +25,11 @@ from collections.abc import Callable
 from types import FrameType, ModuleType, TracebackType
 from typing import Any, TypeVar, overload
 
-import torch
 import torch.distributed as dist
 
-from autoddp import _skip
+from autoddp import _compat, _skip
 from autoddp.errors import CollectiveInRank0Error, ConfigurationError, Rank0Error
+from autoddp.state import CURRENT
 from autoddp.world import current
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -291,8 +291,8 @@ def _store(world_size: int) -> Any:
             "inside an @autoddp.distributed function, or after torch.distributed.init_process_group()"
         )
     try:
-        store = dist.distributed_c10d._get_default_store()
-    except (AttributeError, KeyError, RuntimeError, ValueError):
+        store = _compat.default_store()
+    except (RuntimeError, ValueError):  # a group made without a store
         return None
     return None if type(store) is dist.Store else store  # MPI's placeholder store holds no keys
 
@@ -314,12 +314,13 @@ def _wait(store: Any, key: str, world_size: int) -> bytes:
 
 
 def _timeout(store: Any) -> datetime.timedelta:
-    """The default process group's timeout (what its collectives wait), else the store's."""
-    try:
-        group = dist.distributed_c10d._get_default_group()
-        return group._get_backend(torch.device("cpu")).options._timeout
-    except Exception:
-        return store.timeout if store is not None else datetime.timedelta(minutes=30)
+    """How long to wait for rank 0: the process group's timeout as autoddp set it, else the store's.
+
+    A group made by ``init_process_group`` creates its store with the group's own timeout.
+    """
+    if CURRENT.timeout is not None:
+        return CURRENT.timeout
+    return store.timeout if store is not None else datetime.timedelta(minutes=30)
 
 
 def _describe(exc: BaseException) -> dict[str, str]:
@@ -350,8 +351,9 @@ def _restore_collectives(saved: list[tuple[dict[str, Any], dict[str, Any]]]) -> 
 
 def _make_refusals() -> list[tuple[dict[str, Any], dict[str, Callable[..., Any]]]]:
     """(module namespace, {name: stand-in}) for every collective a body can reach by attribute."""
+    _compat.ddp_buffer_broadcast()  # DDP's forward broadcasts buffers through it: refused too
     modules: list[tuple[ModuleType, tuple[str, ...], str]] = [
-        (dist, (*COLLECTIVES, "_broadcast_coalesced"), "torch.distributed"),
+        (dist, (*COLLECTIVES, _compat.DDP_BUFFER_BROADCAST), "torch.distributed"),
         (dist.distributed_c10d, COLLECTIVES, "torch.distributed"),
     ]
     for name in ("autoddp", "autoddp.world"):
@@ -369,7 +371,7 @@ def _make_refusals() -> list[tuple[dict[str, Any], dict[str, Callable[..., Any]]
 
 def _refusal(qualified: str) -> Callable[..., Any]:
     hint = ""
-    if qualified.endswith("._broadcast_coalesced"):
+    if qualified.endswith(f".{_compat.DDP_BUFFER_BROADCAST}"):
         hint = (
             " (a DistributedDataParallel model's forward with gradients on syncs its buffers this way: "
             "inside the block, call the plain module, autoddp.unwrap(model), or run under torch.no_grad())"

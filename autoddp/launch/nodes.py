@@ -1,4 +1,4 @@
-"""Several machines: parse the multi-node options and run workers through elastic's agent.
+"""Several machines: parse the multi-node options and run this node's workers through elastic's agent.
 
 Multi-node runs use torch.distributed.elastic's agent and rendezvous exactly as torchrun does:
 ``static`` when the address of node 0 and this node's rank are given (``--master HOST:PORT
@@ -8,11 +8,19 @@ rendezvous store has no authentication: run multi-node jobs on a trusted network
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
-from autoddp.errors import ConfigurationError
+from autoddp import hardware, transport
+from autoddp.errors import ConfigurationError, WorkerError
+from autoddp.launch.output import say
+from autoddp.launch.supervise import caller_signal_handlers_kept, elastic_logs_quiet
+from autoddp.running import Job
 
 RDZV_BACKENDS = ("static", "c10d")
 
@@ -109,8 +117,6 @@ def run_agent(
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from autoddp import launch
-
     config = LaunchConfig(
         min_nodes=nodes.min_nodes,
         max_nodes=nodes.max_nodes,
@@ -124,8 +130,22 @@ def run_agent(
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
-    with launch.elastic_logs_quiet():
+    with elastic_logs_quiet(), _omp_threads_for(nproc):
         elastic_launch(config, entrypoint=sys.executable)(*args)
+
+
+@contextlib.contextmanager
+def _omp_threads_for(nproc: int) -> Iterator[None]:
+    """``OMP_NUM_THREADS`` for the agent's workers while it runs (they inherit this environment)."""
+    threads = hardware.omp_threads(nproc)
+    if threads is None:
+        yield
+        return
+    os.environ["OMP_NUM_THREADS"] = threads
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_NUM_THREADS", None)
 
 
 def describe_failure(error: Any, world_size: int) -> str:
@@ -140,3 +160,36 @@ def describe_failure(error: Any, world_size: int) -> str:
     message = failure.message.get("message", "") if isinstance(failure.message, dict) else ""
     detail = f": {message.splitlines()[0]}" if message else ""
     return f"rank {rank} of {world_size} (pid {failure.pid}) {how}{detail}"
+
+
+def launch_nodes(job: Job, *, plan: Nodes, nproc: int, max_restarts: int = 0) -> Any:
+    """This machine's share of a multi-node run of ``job`` (fresh interpreters, elastic's agent).
+
+    Returns rank 0's result on the machine that runs rank 0, None on the others.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    payload = transport.dumps_job(job, job.fn, job.args, job.kwargs)
+    with transport.run_folder() as folder:
+        transport.save_job(folder, payload)
+        try:
+            with caller_signal_handlers_kept():
+                run_agent(plan, nproc, ["-m", "autoddp._worker_main", folder], max_restarts=max_restarts)
+        except ChildFailedError as error:
+            reports = transport.load_errors(folder)
+            if reports:
+                report = min(reports.values(), key=lambda r: (r.is_consequence, r.time))
+                raise report.rebuild(nproc * plan.max_nodes) from None
+            raise WorkerError(
+                describe_failure(error, nproc * plan.max_nodes),
+                rank=error.get_first_failure()[0],
+                exitcode=None,
+            ) from None
+        except SignalException as error:
+            say(f"{error.sigval.name} received: stopped all workers on this node")
+            if error.sigval == signal.SIGINT:
+                raise KeyboardInterrupt from None
+            signal.raise_signal(error.sigval)
+            raise
+        return transport.load_result(folder)

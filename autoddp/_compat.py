@@ -1,0 +1,99 @@
+"""Every use of a private torch (or elastic, dynamo, CPython) internal, in one place.
+
+Each function here wraps one internal that has no public equivalent, checks that it is still
+there and raises ``TorchCompatibilityError`` naming it when a torch release changed it: never a
+silent fallback. ``tests/test_compat.py`` exercises each one against the installed torch, so an
+upgrade that breaks one fails there, loudly, before it can fail a user's run.
+"""
+
+from __future__ import annotations
+
+import atexit
+from typing import Any
+
+import torch
+
+from autoddp.errors import TorchCompatibilityError
+
+#: The private function DDP's forward uses to broadcast buffers from rank 0 (a collective).
+DDP_BUFFER_BROADCAST = "_broadcast_coalesced"
+
+
+def _need(owner: Any, name: str, what: str) -> Any:
+    """``owner.name``, or a TorchCompatibilityError saying what autoddp needed it for."""
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        label = getattr(owner, "__name__", type(owner).__name__)
+        raise TorchCompatibilityError(
+            f"autoddp needs {label}.{name} ({what}), and torch {torch.__version__} does not have it: "
+            "this torch release changed an internal autoddp relies on. Use a torch version autoddp "
+            "supports, or report it to autoddp with this message"
+        ) from None
+
+
+def cuda_in_bad_fork() -> bool:
+    """True in a process forked after its parent initialised CUDA (CUDA cannot work there)."""
+    return bool(_need(torch.cuda, "_is_in_bad_fork", "to tell whether a forked worker can use CUDA")())
+
+
+def default_store() -> Any:
+    """The key-value store of the default process group (rank 0 publishes rank0() outcomes there)."""
+    import torch.distributed as dist
+
+    getter = _need(dist.distributed_c10d, "_get_default_store", "to reach the process group's store")
+    return getter()
+
+
+def ddp_buffer_broadcast() -> Any:
+    """``torch.distributed._broadcast_coalesced``, which rank0() refuses inside its body."""
+    import torch.distributed as dist
+
+    return _need(dist, DDP_BUFFER_BROADCAST, "DDP's buffer broadcast, refused inside rank0() bodies")
+
+
+def forked_exit_codes(context: Any) -> dict[int, int | None]:
+    """Exit status of each forked worker of an elastic ``MultiprocessContext``, by local rank.
+
+    Elastic reports the status of failed workers only; the triage also needs those it stopped.
+    """
+    processes = _need(context, "_pc", "the forked workers' exit codes")
+    if processes is None:  # the context never started
+        return {}
+    return {rank: process.exitcode for rank, process in enumerate(processes.processes)}
+
+
+def loader_iterator(loader: torch.utils.data.DataLoader) -> Any:
+    """The iterator a DataLoader keeps between epochs (persistent workers), or None."""
+    return _need(loader, "_iterator", "to tell whether a DataLoader's persistent workers started")
+
+
+def compiled_parts(model: Any) -> tuple[torch.nn.Module, Any] | None:
+    """(module, compile context) inside a ``torch.compile`` result; None for anything else.
+
+    Recognised by its class name, so that checking does not import dynamo (seconds).
+    """
+    if type(model).__name__ != "OptimizedModule":
+        return None
+    inner = _need(model, "_orig_mod", "the module inside a torch.compile result")
+    context = _need(model, "dynamo_ctx", "the compile settings of a torch.compile result")
+    return inner, context
+
+
+def compile_in_place(module: torch.nn.Module, context: Any) -> None:
+    """Make ``module``'s own calls compiled with ``context``, as ``torch.compile(module)`` did.
+
+    ``Module.compile()`` does the same through these internals; dynamo does not trace torch.nn's
+    own ``_call_impl`` frame unless wrapped with ``wrap_inline``, as torch.compile wraps it.
+    """
+    from torch._dynamo import external_utils
+
+    wrap_inline = _need(external_utils, "wrap_inline", "to keep a model's torch.compile compilation")
+    call_impl = _need(module, "_call_impl", "to keep a model's torch.compile compilation")
+    _need(module, "_compiled_call_impl", "to keep a model's torch.compile compilation")
+    module._compiled_call_impl = context(wrap_inline(call_impl))
+
+
+def run_atexit_hooks() -> None:
+    """Run the interpreter's atexit hooks now (a worker then leaves with ``os._exit``)."""
+    _need(atexit, "_run_exitfuncs", "to run atexit hooks before a fast exit")()

@@ -1,0 +1,90 @@
+"""Failure triage: which rank's failure is the root cause, how each death is named, and where the
+ranks that never reached a timed-out collective were."""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+from autoddp import _compat, transport
+from autoddp.errors import WorkerError
+
+
+def _exit_codes(context: Any) -> dict[int, int | None]:
+    """Exit status of every worker of an ended elastic context, by local rank."""
+    if hasattr(context, "subprocess_handlers"):  # fresh interpreters
+        return {r: h.proc.poll() for r, h in context.subprocess_handlers.items()}
+    return _compat.forked_exit_codes(context)
+
+
+def first_failure(context: Any, result: Any, folder: str, world_size: int) -> BaseException:
+    """The exception to raise in the caller: the root-cause failure, others listed briefly.
+
+    A worker's own exception comes first unless it only reports a lost connection to a peer
+    (a consequence); a worker that died without an exception counts as a cause. Workers that
+    autoddp itself stopped afterwards (SIGTERM) are not failures.
+    """
+    reports = transport.load_errors(folder)
+    codes = _exit_codes(context)
+    for failure in result.failures.values():
+        codes.setdefault(failure.local_rank, failure.exitcode)
+    # (is a consequence of another failure, when, rank, exception, one-line summary)
+    entries: list[tuple[bool, float, int, BaseException, str]] = []
+    for rank, report in reports.items():
+        entries.append(
+            (report.is_consequence, report.time, rank, report.rebuild(world_size), report.summary())
+        )
+    detected_at = time.time()
+    for rank, code in sorted(codes.items()):
+        if rank not in reports and code not in (0, None, -signal.SIGTERM):
+            error = _death_error(rank, code, context.pids().get(rank), world_size)
+            entries.append((False, detected_at, rank, error, str(error)))
+    if not entries:  # only stopped workers: report the one elastic saw first
+        first = min(result.failures.values(), key=lambda f: f.timestamp)
+        error = _death_error(first.local_rank, first.exitcode, first.pid, world_size)
+        entries.append((False, detected_at, first.local_rank, error, str(error)))
+    entries.sort(key=lambda e: (e[0], e[1]))
+    lead_rank, lead = entries[0][2], entries[0][3]
+    others = [f"rank {rank}: {summary}" for _, _, rank, _, summary in entries[1:]]
+    if others and hasattr(lead, "add_note"):
+        lead.add_note("autoddp: other ranks also failed: " + "; ".join(others))
+    report = reports.get(lead_rank)
+    if report is not None and report.is_timeout and hasattr(lead, "add_note"):
+        _explain_timeout(lead, folder, codes, reports)
+    return lead
+
+
+def _explain_timeout(lead: BaseException, folder: str, codes: dict[int, int | None], reports: dict) -> None:
+    """Name the ranks that never reached the collective, and show where they were."""
+    stuck = sorted(r for r, code in codes.items() if r not in reports and code == -signal.SIGTERM)
+    if not stuck:
+        return
+    lead.add_note(
+        f"autoddp: a collective timed out; rank(s) {', '.join(map(str, stuck))} had not arrived "
+        "(still running elsewhere when autoddp stopped them). Raise timeout= in @distributed if the "
+        "first steps are legitimately slow."
+    )
+    for rank in stuck:
+        stack = transport.read_stack(folder, rank)
+        if stack:
+            lead.add_note(f"autoddp: where rank {rank} was when stopped:\n{stack}")
+
+
+def _death_error(rank: int, code: int | None, pid: int | None, world_size: int) -> WorkerError:
+    where = f"rank {rank} of {world_size} (pid {pid})"
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name
+        hint = {
+            "SIGKILL": " (the kernel's out-of-memory killer sends SIGKILL: check memory use and `dmesg`)",
+            "SIGSEGV": " (a crash in native code)",
+            "SIGBUS": " (a crash in native code; in containers, often a too small /dev/shm)",
+            "SIGABRT": " (aborted by native code)",
+        }.get(name, "")
+        return WorkerError(f"{where} was killed by {name}{hint}", rank=rank, exitcode=code, signal=name)
+    return WorkerError(
+        f"{where} exited with code {code} without raising a Python exception "
+        "(os._exit or sys.exit in a worker, or a native library exiting)",
+        rank=rank,
+        exitcode=code,
+    )

@@ -1,0 +1,153 @@
+"""Local launch: start one worker per device on this machine, restart the group after a failure.
+
+The caller hosts the rendezvous store on a port the OS picks (so two jobs can never race for
+one), starts the workers by fork where that is safe and as fresh interpreters otherwise, waits
+until all succeed or one fails (then stops the rest), and hands back rank 0's result or the
+root-cause failure as the original exception. Every attempt gets a fresh run folder and store.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from autoddp import _worker, hardware, transport
+from autoddp.environment import LOOPBACK
+from autoddp.errors import ConfigurationError, SerializationError
+from autoddp.launch.failures import first_failure
+from autoddp.launch.output import Output, one_line, say, show_hidden_output
+from autoddp.launch.start_method import choose_start_method
+from autoddp.launch.store import loopback_store
+from autoddp.launch.supervise import POLL_SECONDS, supervise
+from autoddp.running import Job
+
+#: For one attempt's run folder: the entry point and each local rank's arguments.
+Workers = Callable[[str], tuple[Any, dict[int, tuple]]]
+
+
+def worker_envs(
+    nproc: int, port: int, run_id: str, attempt: int = 0, folder: str = ""
+) -> dict[int, dict[str, str]]:
+    """The variables each worker gets, named as torchrun names them."""
+    common = {
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": LOOPBACK,
+        "MASTER_PORT": str(port),
+        # The caller hosts the store: rank 0 connects to it instead of binding the port.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "AUTODDP_RUN_ID": run_id,
+        "AUTODDP_PARENT_PID": str(os.getpid()),
+        "AUTODDP_RUN_FOLDER": folder,  # where a worker reports its error
+        "TORCHELASTIC_RESTART_COUNT": str(attempt),  # as torchrun names it: 0 on the first attempt
+        "TORCHELASTIC_RUN_ID": run_id,
+    }
+    threads = hardware.omp_threads(nproc)
+    if threads is not None:
+        common["OMP_NUM_THREADS"] = threads
+    return {r: {**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)}
+
+
+def launch_function(
+    job: Job,
+    *,
+    nproc: int,
+    start_method: str,
+    max_restarts: int = 0,
+    output: Output | None = None,
+) -> Any:
+    """Run ``job`` in ``nproc`` new workers; return rank 0's result.
+
+    After a failure the whole group starts again, up to ``max_restarts`` times (not for errors
+    that would only repeat: a bad configuration, something that cannot be pickled).
+    """
+    method, reason = choose_start_method(start_method, job.backend)
+    if method == "spawn" and start_method == "auto":
+        # Shown once per process (warnings' default filter): the fallback needs no action.
+        warnings.warn(
+            f"autoddp starts its workers as fresh interpreters (start_method='spawn') because {reason}; "
+            "the function and its arguments are sent to them by value.",
+            UserWarning,
+            stacklevel=4,
+        )
+    if method == "spawn":  # pickle once, before anything starts: an unpicklable argument fails here
+        payload = transport.dumps_job(job, job.fn, job.args, job.kwargs)
+
+        def workers(folder: str) -> tuple[Any, dict[int, tuple]]:
+            transport.save_job(folder, payload)
+            return sys.executable, {r: ("-m", "autoddp._worker_main", folder) for r in range(nproc)}
+
+    else:
+
+        def workers(folder: str) -> tuple[Any, dict[int, tuple]]:
+            return _worker.run_forked, {r: (job, folder) for r in range(nproc)}
+
+    return _with_restarts(workers, nproc, method, max_restarts, output=output)
+
+
+def launch_script(
+    argv: list[str],
+    *,
+    nproc: int,
+    max_restarts: int = 0,
+    poll_seconds: float = POLL_SECONDS,
+    output: Output | None = None,
+) -> None:
+    """Run a script (``python -m autoddp._script ARGV``) in ``nproc`` fresh interpreters.
+
+    The ``autoddp`` command's single-node engine: the same supervision, loopback store and
+    restarts as the decorator. Raises the first failure (the worker printed its traceback).
+    """
+
+    def workers(folder: str) -> tuple[Any, dict[int, tuple]]:
+        return sys.executable, {r: ("-m", "autoddp._script", *argv) for r in range(nproc)}
+
+    _with_restarts(workers, nproc, "spawn", max_restarts, poll_seconds, output)
+
+
+def _with_restarts(
+    workers: Workers,
+    nproc: int,
+    method: str,
+    max_restarts: int,
+    poll_seconds: float = POLL_SECONDS,
+    output: Output | None = None,
+) -> Any:
+    """Run attempts until one succeeds or ``max_restarts`` restarts are spent."""
+    output = output or Output()
+    for attempt in range(max_restarts + 1):
+        try:
+            return _attempt(workers, nproc, method, attempt, poll_seconds, output)
+        except (ConfigurationError, SerializationError, KeyboardInterrupt):
+            raise
+        except BaseException as error:
+            if attempt == max_restarts or not isinstance(error, Exception):
+                raise
+            say(
+                f"{one_line(error)}; restarting all {nproc} workers (restart {attempt + 1} of {max_restarts})"
+            )
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _attempt(
+    workers: Workers, nproc: int, method: str, attempt: int, poll_seconds: float, output: Output
+) -> Any:
+    """One start of all workers, in a fresh run folder with a fresh store (no stale keys)."""
+    with transport.run_folder() as folder:
+        entry, entry_args = workers(folder)
+        with loopback_store(nproc) as port:
+            envs = worker_envs(nproc, port, uuid.uuid4().hex, attempt, folder)
+            logs = output.logs_specs(folder, nproc)
+            for env in envs.values():  # autoddp.print(all_ranks=True) must not prefix twice
+                env["AUTODDP_LINE_PREFIX"] = "1" if logs[1] else "0"
+            context, result = supervise(entry, entry_args, envs, method, poll_seconds, logs)
+        if result.is_failed():
+            error = first_failure(context, result, folder, nproc)
+            show_hidden_output(error, result, output.shown(nproc))
+            raise error
+        return transport.load_result(folder)

@@ -1,0 +1,96 @@
+"""Console routing: which ranks' output reaches the console, where every rank's output is kept,
+and autoddp's own one-line messages on stderr."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Any
+
+from autoddp.errors import ConfigurationError
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """Which ranks' output reaches the console, and where every rank's output is kept.
+
+    ``ranks``: ``"0"`` (default: rank 0 only, as written), ``"all"`` (every rank, each line
+    prefixed ``[rank N]``) or comma-separated local ranks. Every rank's stdout and stderr also
+    go to files under ``log_dir`` (a private folder removed after the run when unset); the last
+    lines of a failed rank that the console did not show are printed when it fails.
+    """
+
+    ranks: str = "0"
+    log_dir: str | None = None
+
+    def shown(self, nproc: int) -> set[int]:
+        if self.ranks == "all":
+            return set(range(nproc))
+        try:
+            shown = {int(r) for r in self.ranks.split(",")}
+        except ValueError:
+            raise ConfigurationError(
+                f"ranks={self.ranks!r}: use '0', 'all' or comma-separated local ranks such as '0,1'"
+            ) from None
+        if not shown or not shown <= set(range(nproc)):
+            raise ConfigurationError(f"ranks={self.ranks!r} names ranks outside 0..{nproc - 1}")
+        return shown
+
+    def logs_specs(self, folder: str, nproc: int) -> tuple[Any, dict[int, str]]:
+        """Elastic's log settings for a run.
+
+        Shown ranks write straight to the console (a terminal stays a terminal: progress bars
+        redraw, colours stay); hidden ranks write to files. With ``"all"`` every rank goes
+        through a file so that its lines can be prefixed. When this process's stdout is not a
+        real file (captured, redirected to a StringIO), forked workers could not redirect
+        theirs: then everything passes through unfiltered.
+        """
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+
+        shown = self.shown(nproc)
+        if not real_stdio():
+            return DefaultLogsSpecs(log_dir=os.devnull), {}
+        log_dir = self.log_dir or os.path.join(folder, "logs")
+        if self.ranks == "all":
+            specs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL)
+            return specs, {r: f"[rank {r}] " for r in range(nproc)}
+        redirects = {r: (Std.NONE if r in shown else Std.ALL) for r in range(nproc)}
+        return DefaultLogsSpecs(log_dir=log_dir, redirects=redirects), {}
+
+
+def real_stdio() -> bool:
+    try:
+        sys.stdout.fileno()
+        sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    return True
+
+
+def show_hidden_output(error: BaseException, result: Any, shown: set[int], lines: int = 20) -> None:
+    """Print the last lines of a failed rank whose output the console did not show."""
+    rank = getattr(error, "autoddp_rank", getattr(error, "rank", None))
+    if not isinstance(rank, int) or rank in shown:
+        return
+    tail: list[str] = []
+    for path in (result.stdouts.get(rank), result.stderrs.get(rank)):
+        if path and os.path.isfile(path):
+            with open(path, errors="replace") as handle:
+                tail += handle.read().splitlines()[-lines:]
+    if tail:
+        console = ", ".join(map(str, sorted(shown)))
+        say(f"last lines of rank {rank}'s output (the console shows rank(s) {console}):")
+        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in tail[-lines:]))
+        sys.stderr.flush()
+
+
+def say(message: str) -> None:
+    """One line for the user on stderr."""
+    print(f"autoddp: {message}", file=sys.stderr, flush=True)
+
+
+def one_line(error: BaseException) -> str:
+    """The type and first line of an error's message."""
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

@@ -1,0 +1,53 @@
+"""How workers start: by fork where that is safe (CUDA untouched here), else as fresh interpreters."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+
+from autoddp import _compat, hardware
+from autoddp.errors import ConfigurationError
+from autoddp.process_group import Backend
+
+START_METHODS = ("auto", "fork", "spawn")
+
+
+def choose_start_method(requested: str, backend: Backend) -> tuple[str, str]:
+    """Resolve ``start_method`` to ``"fork"`` or ``"spawn"``, with the reason for the choice."""
+    if requested not in START_METHODS:
+        raise ConfigurationError(
+            f"unknown start_method {requested!r}: use 'auto' (default), 'fork' or 'spawn'"
+        )
+    fork_ok, why = _fork_is_safe()
+    if requested == "fork":
+        if not fork_ok:
+            raise ConfigurationError(f"start_method='fork' cannot be used here: {why}; use 'spawn' or 'auto'")
+        return "fork", "asked for"
+    if requested == "spawn":
+        return "spawn", "asked for"
+    return ("fork", why) if fork_ok else ("spawn", why)
+
+
+def _fork_is_safe() -> tuple[bool, str]:
+    if not sys.platform.startswith("linux"):
+        return False, "fork is used on Linux only"
+    if hardware.gpu_count() > 0 and (torch.cuda.is_initialized() or _cuda_poisons_fork()):
+        return False, (
+            "CUDA was already initialised in this process (for example by "
+            "torch.cuda.is_available()), and forked workers could not use it"
+        )
+    return True, "CUDA is untouched in this process"
+
+
+def _cuda_poisons_fork() -> bool:
+    """Ask a throw-away forked child whether torch marked it as a bad (post-CUDA) fork."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork with threads
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        os._exit(1 if _compat.cuda_in_bad_fork() else 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) != 0

@@ -1,0 +1,96 @@
+"""Supervision: start the workers with elastic's multiprocessing, wait, stop them all on a failure
+or a signal, and give the caller its own signal handlers back."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from autoddp.errors import WorkerError
+from autoddp.launch.output import say
+
+POLL_SECONDS = 0.05
+_STOP_GRACE_SECONDS = 5
+
+
+def supervise(
+    entry: Any,
+    entry_args: dict,
+    envs: dict,
+    method: str,
+    poll_seconds: float,
+    logs: tuple[Any, dict[int, str]],
+) -> Any:
+    """Start the workers with elastic's multiprocessing and wait for all to end or one to fail."""
+    from torch.distributed.elastic.multiprocessing import start_processes
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    logs_specs, prefixes = logs
+    with caller_signal_handlers_kept(), elastic_logs_quiet():
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()  # forked children must not inherit unflushed output
+        context = None
+        try:
+            context = start_processes(
+                name="autoddp",
+                entrypoint=entry,
+                args=entry_args,
+                envs=envs,
+                logs_specs=logs_specs,
+                log_line_prefixes=prefixes,
+                start_method="fork" if method == "fork" else "spawn",
+            )
+            return context, context.wait(period=poll_seconds)
+        except SignalException as exc:  # (start_processes closes its workers itself if it fails)
+            if context is not None:
+                context.close(timeout=_STOP_GRACE_SECONDS)
+            stopped_by = exc.sigval
+        except BaseException:
+            if context is not None:
+                context.close(timeout=_STOP_GRACE_SECONDS)
+            raise
+    # Handlers are the caller's again: act on the signal as the caller's process would have.
+    say(f"{stopped_by.name} received: stopped all workers")
+    if stopped_by == signal.SIGINT:
+        raise KeyboardInterrupt from None
+    signal.raise_signal(stopped_by)
+    raise WorkerError(f"workers stopped by {stopped_by.name}", rank=-1, exitcode=None, signal=stopped_by.name)
+
+
+@contextlib.contextmanager
+def caller_signal_handlers_kept() -> Iterator[None]:
+    """Elastic installs its own handlers while workers run; give the caller's back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    names = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+    saved = {sig: signal.getsignal(sig) for sig in (getattr(signal, n) for n in names if hasattr(signal, n))}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def elastic_logs_quiet() -> Iterator[None]:
+    """Elastic logs every stop and failure; autoddp reports failures itself."""
+    loggers = [
+        logging.getLogger(name)
+        for name in list(logging.Logger.manager.loggerDict)
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing"))
+    ]
+    previous = [logger.disabled for logger in loggers]
+    for logger in loggers:
+        logger.disabled = True
+    try:
+        yield
+    finally:
+        for logger, was in zip(loggers, previous, strict=True):
+            logger.disabled = was

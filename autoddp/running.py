@@ -1,0 +1,58 @@
+"""Running the user's function in a joined world: the one call path of every decorated call.
+
+``run_in_world`` joins the world's process group, prepares the arguments, calls the function
+and finishes its result while still inside the world (``prepare`` for a caller in the same
+process, ``portable`` for a result that travels back to the caller); then the group is left.
+The decorator's in-place path, its one-process path and every worker go through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from autoddp import _containers, models, process_group
+from autoddp.preparation import prepare
+from autoddp.state import RunOptions, World
+
+
+@dataclasses.dataclass
+class Job:
+    """A call of the user's function and how its world is set up."""
+
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict
+    backend: process_group.Backend
+    timeout: datetime.timedelta | None
+    options: RunOptions
+
+    @property
+    def fn_name(self) -> str:
+        return getattr(self.fn, "__qualname__", repr(self.fn))
+
+
+def run_in_world(job: Job, world: World, finish: Callable[[Any], Any]) -> Any:
+    """Call ``job`` in ``world``: join, prepare the arguments, call, ``finish`` the result, leave.
+
+    ``finish`` runs on every rank while the group still exists, so it may use collectives (a
+    sharded model is gathered there).
+    """
+    with process_group.joined(world, job.backend, job.timeout, job.options):
+        args, kwargs = prepare(job.args), prepare(job.kwargs)
+        result = job.fn(*args, **kwargs)
+        del args, kwargs
+        return finish(result)
+
+
+def portable(value: Any) -> Any:
+    """``value`` fit for another process: tensors detached on the CPU, models plain on the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, torch.nn.Module):
+        return models.portable(value)
+    return _containers.map_items(value, portable)
