@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import datetime
 import gc
-from collections.abc import Iterator
 
 import torch
 
@@ -62,14 +61,13 @@ def as_timeout(timeout: float | datetime.timedelta | None) -> datetime.timedelta
     return datetime.timedelta(seconds=float(timeout))
 
 
-@contextlib.contextmanager
 def joined(
     world: World,
     backend: Backend,
     timeout: datetime.timedelta | None = None,
     options: RunOptions | None = None,
-) -> Iterator[World]:
-    """Join the default process group for ``world`` (or reuse one the user made) for the block.
+) -> contextlib.AbstractContextManager[World]:
+    """Join the default process group for ``world`` (or reuse one the user made) for a ``with`` block.
 
     The GPU is pinned before anything touches CUDA (in a world of several processes; one process
     keeps CUDA's default device). A group created here is destroyed when the block ends
@@ -78,41 +76,72 @@ def joined(
     afterwards can deadlock gloo). After an error the group is left to the process's exit: the
     other ranks may still be inside a collective with it.
     """
+    return _Joined(world, backend, timeout, options)
+
+
+class _Joined:
+    """The context manager of ``joined`` (a plain class: the one-process call path is hot)."""
+
+    def __init__(
+        self,
+        world: World,
+        backend: Backend,
+        timeout: datetime.timedelta | None,
+        options: RunOptions | None,
+    ) -> None:
+        self.world, self.backend, self.timeout, self.options = world, backend, timeout, options
+        self.created = False
+        self.current: contextlib.AbstractContextManager[World] | None = None
+
+    def __enter__(self) -> World:
+        world, backend = self.world, self.backend
+        if backend.use_cuda:
+            # the environment's choice: cuda:<local rank>, or the one GPU a scheduler bound to this task
+            index = int(world.device.split(":")[1]) if world.device.startswith("cuda:") else world.local_rank
+            device = f"cuda:{index}"
+        else:
+            device = "cpu"
+        if world.world_size > 1:
+            if backend.use_cuda:
+                torch.cuda.set_device(index)
+            self.created = _init_group(world, backend, device, self.timeout)
+        active = world if device == world.device else dataclasses.replace(world, device=device)
+        self.current = CURRENT.joined(active, self.options, self.timeout)
+        return self.current.__enter__()
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        assert self.current is not None
+        self.current.__exit__(exc_type, *rest)
+        if self.created and exc_type is None:
+            import torch.distributed as dist
+
+            CURRENT.release_wrapped()
+            gc.collect()
+            dist.destroy_process_group()
+
+
+def _init_group(world: World, backend: Backend, device: str, timeout: datetime.timedelta | None) -> bool:
+    """Initialise the default process group for ``world`` unless one exists; True if it was made here."""
     import torch.distributed as dist
 
-    if backend.use_cuda:
-        # the environment's choice: cuda:<local rank>, or the one GPU a scheduler bound to this task
-        index = int(world.device.split(":")[1]) if world.device.startswith("cuda:") else world.local_rank
-        device = f"cuda:{index}"
-        if world.world_size > 1:
-            torch.cuda.set_device(index)
-    else:
-        device = "cpu"
-    created = False
-    if world.world_size > 1 and not dist.is_initialized():
-        kwargs = {}
-        if timeout is not None:
-            kwargs["timeout"] = timeout
-        if backend.use_cuda:
-            kwargs["device_id"] = torch.device(device)
-        if not world.master_addr or not world.master_port:
-            raise ConfigurationError(
-                f"this process is rank {world.rank} of {world.world_size}, but the address of rank 0 is "
-                "unknown: set MASTER_ADDR (rank 0's host) and MASTER_PORT (a free port there) "
-                "for every process"
-            )
-        dist.init_process_group(
-            backend.name,
-            init_method=f"tcp://{_host_for_url(world.master_addr)}:{world.master_port}",
-            rank=world.rank,
-            world_size=world.world_size,
-            **kwargs,
+    if dist.is_initialized():
+        return False
+    if not world.master_addr or not world.master_port:
+        raise ConfigurationError(
+            f"this process is rank {world.rank} of {world.world_size}, but the address of rank 0 is "
+            "unknown: set MASTER_ADDR (rank 0's host) and MASTER_PORT (a free port there) "
+            "for every process"
         )
-        created = True
-    active = dataclasses.replace(world, device=device)
-    with CURRENT.joined(active, options, timeout):
-        yield active
-    if created:
-        CURRENT.release_wrapped()
-        gc.collect()
-        dist.destroy_process_group()
+    kwargs: dict = {}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    if backend.use_cuda:
+        kwargs["device_id"] = torch.device(device)
+    dist.init_process_group(
+        backend.name,
+        init_method=f"tcp://{_host_for_url(world.master_addr)}:{world.master_port}",
+        rank=world.rank,
+        world_size=world.world_size,
+        **kwargs,
+    )
+    return True

@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import datetime
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 
@@ -57,20 +57,14 @@ class Run:
         self.timeout: datetime.timedelta | None = None
         self._wrapped: weakref.WeakKeyDictionary[Any, Releasing] = weakref.WeakKeyDictionary()
 
-    @contextlib.contextmanager
     def joined(
         self,
         world: World,
         options: RunOptions | None = None,
         timeout: datetime.timedelta | None = None,
-    ) -> Iterator[World]:
-        """Make ``world`` the current one for the block (the previous one comes back after it)."""
-        previous = self.world, self.options, self.timeout
-        self.world, self.options, self.timeout = world, options or RunOptions(), timeout
-        try:
-            yield world
-        finally:
-            self.world, self.options, self.timeout = previous
+    ) -> contextlib.AbstractContextManager[World]:
+        """Make ``world`` the current one for a ``with`` block (the previous one comes back after it)."""
+        return _Joined(self, world, options or RunOptions(), timeout)
 
     def track(self, model: Any, strategy: Releasing) -> None:
         """Remember that ``strategy`` wrapped ``model`` for this run (weakly: the model may go)."""
@@ -81,6 +75,30 @@ class Run:
         for model, strategy in list(self._wrapped.items()):
             strategy.release(model)
         self._wrapped.clear()
+
+
+class _Joined:
+    """The context manager of ``Run.joined`` (a plain class: the one-process call path is hot)."""
+
+    __slots__ = ("_entered", "_previous", "_run")
+
+    def __init__(
+        self, run: Run, world: World, options: RunOptions, timeout: datetime.timedelta | None
+    ) -> None:
+        self._run = run
+        self._entered = (world, options, timeout)
+        self._previous: tuple[World | None, RunOptions, datetime.timedelta | None] | None = None
+
+    def __enter__(self) -> World:
+        run = self._run
+        self._previous = run.world, run.options, run.timeout
+        run.world, run.options, run.timeout = self._entered
+        return self._entered[0]
+
+    def __exit__(self, *exc_info: object) -> None:
+        run = self._run
+        assert self._previous is not None
+        run.world, run.options, run.timeout = self._previous
 
 
 CURRENT = Run()

@@ -27,11 +27,11 @@ from autoddp.environment import (
     SlurmStep,
     TorchElastic,
     detect,
-    expand_hostlist,
     first_host,
     shared_port,
     slurm_port,
 )
+from autoddp.environment._hostlist import hosts
 from autoddp.report import describe
 from conftest import LAUNCHER_NAMES, LAUNCHER_PREFIXES, run_python, write
 
@@ -213,7 +213,7 @@ def test_salloc_with_many_tasks_says_how_to_use_them():
 
 
 @pytest.mark.parametrize(
-    "text, hosts",
+    "text, expected",
     [
         ("localhost", ["localhost"]),
         ("node[01-03,7],gpu5", ["node01", "node02", "node03", "node7", "gpu5"]),
@@ -225,9 +225,9 @@ def test_salloc_with_many_tasks_says_how_to_use_them():
         ("x-1.cluster,y[3,1]", ["x-1.cluster", "y3", "y1"]),
     ],
 )
-def test_hostlist_expansion(text, hosts):
-    assert expand_hostlist(text) == hosts
-    assert first_host(text) == hosts[0]
+def test_hostlist_expansion(text, expected):
+    assert list(hosts(text)) == expected
+    assert first_host(text) == expected[0]
 
 
 @pytest.mark.parametrize("text", ["node[01-03", "node]1", "node[a-b]", "node[3-1]", "node[]", "", " , "])

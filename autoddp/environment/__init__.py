@@ -52,7 +52,6 @@ from autoddp.environment._base import PORT_SPAN as PORT_SPAN
 from autoddp.environment._base import Environment as Environment
 from autoddp.environment._base import Plain as Plain
 from autoddp.environment._base import shared_port as shared_port
-from autoddp.environment._hostlist import expand_hostlist as expand_hostlist
 from autoddp.environment._hostlist import first_host as first_host
 from autoddp.environment.mpi import MPICH as MPICH
 from autoddp.environment.mpi import OpenMPI as OpenMPI

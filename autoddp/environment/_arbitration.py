@@ -35,13 +35,10 @@ def slurm_tasks_variable(environ: Mapping[str, str]) -> str | None:
 
 def slurm_in_multitask_step(environ: Mapping[str, str]) -> bool:
     """True for one task of an srun step of several tasks."""
+    if "SLURM_PROCID" not in environ:  # first: the one lookup outside SLURM
+        return False
     tasks = slurm_tasks_variable(environ)
-    return (
-        "SLURM_PROCID" in environ
-        and slurm_step_id(environ) is not None
-        and tasks is not None
-        and as_number(environ[tasks]) != 1
-    )
+    return slurm_step_id(environ) is not None and tasks is not None and as_number(environ[tasks]) != 1
 
 
 def launcher_worlds(environ: Mapping[str, str]) -> Iterator[tuple[str, str, str, str, str]]:

@@ -7,6 +7,7 @@ Parsers come in two contracts: ``read_int``/``read_port`` for a variable that mu
 
 from __future__ import annotations
 
+import functools
 import re
 import zlib
 from collections.abc import Mapping, Sequence
@@ -82,11 +83,14 @@ class Environment:
     @classmethod
     def matches(cls, environ: Mapping[str, str]) -> bool:
         """True when ``environ`` is this environment's."""
-        return all(name in environ for name in cls.markers)
+        for name in cls.markers:  # noqa: SIM110 - a loop, not all(): detection runs on every call
+            if name not in environ:
+                return False
+        return True
 
     def world(self) -> World:
         """The world this process belongs to (raises ``ConfigurationError`` if the variables are broken)."""
-        return World(device=hardware.default_device(0))
+        return _single_world(hardware.default_device(0))
 
     def explain(self) -> str:
         """The variables that made the decision, and what it means for ``@distributed``."""
@@ -99,6 +103,12 @@ class Environment:
         if "MASTER_PORT" in self.environ:
             return f"MASTER_PORT={self.environ['MASTER_PORT']}, set by the launcher"
         return "MASTER_PORT is not set"
+
+
+@functools.lru_cache(maxsize=8)
+def _single_world(device: str) -> World:
+    """The world of one process computing on ``device`` (immutable, so one per device is shared)."""
+    return World(device=device)
 
 
 def own_port_policy(environ: Mapping[str, str]) -> str:

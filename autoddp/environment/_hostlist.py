@@ -7,23 +7,19 @@ from collections.abc import Iterator
 from autoddp.errors import ConfigurationError
 
 
-def expand_hostlist(text: str) -> list[str]:
-    """Expand a SLURM host list such as ``node[01-03,7],gpu5`` into host names, in order.
-
-    Zero padding is kept (``n[08-10]`` gives ``n08 n09 n10``) and several bracket groups in one
-    name multiply (``r[1-2]n[1-2]`` gives ``r1n1 r1n2 r2n1 r2n2``).
-    """
-    return list(_iter_hostlist(text))
-
-
 def first_host(text: str) -> str:
     """The first host of a SLURM host list, without expanding the rest."""
-    for host in _iter_hostlist(text):
+    for host in hosts(text):
         return host
     raise ConfigurationError(f"the SLURM host list {text!r} names no host; set MASTER_ADDR instead")
 
 
-def _iter_hostlist(text: str) -> Iterator[str]:
+def hosts(text: str) -> Iterator[str]:
+    """The host names of a SLURM host list such as ``node[01-03,7],gpu5``, in order, one at a time.
+
+    Zero padding is kept (``n[08-10]`` gives ``n08 n09 n10``) and several bracket groups in one
+    name multiply (``r[1-2]n[1-2]`` gives ``r1n1 r1n2 r2n1 r2n2``).
+    """
     depth, start = 0, 0
     for i, char in enumerate(text + ","):
         if char == "[":

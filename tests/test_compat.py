@@ -1,0 +1,113 @@
+"""Every private torch internal autoddp uses (``autoddp._compat``), checked against this torch.
+
+A torch release that renames or changes one of them fails here, with the piece named, before
+it can fail a user's run. Nothing is mocked: each internal is used the way autoddp uses it.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+import autoddp
+from autoddp import _compat
+from autoddp.errors import TorchCompatibilityError
+from conftest import run_python
+
+
+def test_a_missing_internal_is_a_loud_error_naming_it():
+    with pytest.raises(TorchCompatibilityError, match=r"autoddp needs object.nope \(for a test\).*torch"):
+        _compat._need(object(), "nope", "for a test")
+
+
+def test_bad_fork_check_answers_in_this_process_and_in_a_fork():
+    assert _compat.cuda_in_bad_fork() is False  # CUDA untouched here (and absent on CPU builds)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        os._exit(0 if _compat.cuda_in_bad_fork() is False else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_default_store_is_the_groups_key_value_store():
+    @autoddp.distributed(nproc=2)
+    def share():
+        store = _compat.default_store()
+        if autoddp.rank() == 0:
+            store.set("compat-key", b"from rank 0")
+        dist.barrier()
+        return store.get("compat-key"), store.timeout.total_seconds() > 0
+
+    assert share() == (b"from rank 0", True)
+
+
+def test_ddp_buffer_broadcast_is_still_a_torch_distributed_function():
+    # tests/test_rank0.py shows DDP's forward reaching it (refused inside a rank0() body).
+    assert _compat.ddp_buffer_broadcast() is getattr(dist, _compat.DDP_BUFFER_BROADCAST)
+    assert callable(_compat.ddp_buffer_broadcast())
+
+
+def _exit_with(code: int) -> None:
+    os._exit(code)
+
+
+def test_forked_exit_codes_of_an_elastic_context(tmp_path):
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    context = start_processes(
+        name="compat",
+        entrypoint=_exit_with,
+        args={0: (0,), 1: (3,)},
+        envs={0: {}, 1: {}},
+        logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
+        start_method="fork",
+    )
+    try:
+        while context.wait(timeout=0.05) is None:
+            pass
+        deadline = 50
+        while None in _compat.forked_exit_codes(context).values() and deadline:
+            context.wait(timeout=0.1)
+            deadline -= 1
+        assert _compat.forked_exit_codes(context) == {0: 0, 1: 3}
+    finally:
+        context.close()
+
+
+def test_loader_iterator_appears_once_persistent_workers_start():
+    loader = DataLoader(list(range(4)), batch_size=2, num_workers=1, persistent_workers=True)
+    assert _compat.loader_iterator(loader) is None
+    assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3]]
+    assert _compat.loader_iterator(loader) is not None
+    del loader
+    gc.collect()  # shuts the persistent worker down
+
+
+def test_compiled_parts_and_compiling_the_module_in_place():
+    plain = torch.nn.Linear(3, 2)
+    assert _compat.compiled_parts(plain) is None
+    compiled = torch.compile(plain, backend="eager")
+    inner, context = _compat.compiled_parts(compiled)
+    assert inner is plain
+    _compat.compile_in_place(inner, context)
+    assert inner._compiled_call_impl is not None
+    x = torch.randn(4, 3)
+    assert torch.equal(inner(x), torch.nn.functional.linear(x, plain.weight, plain.bias))
+
+
+def test_atexit_hooks_run_before_a_fast_exit():
+    code = (
+        "import atexit, os\n"
+        "from autoddp import _compat\n"
+        "atexit.register(lambda: print('hook ran', flush=True))\n"
+        "_compat.run_atexit_hooks()\n"
+        "os._exit(0)\n"
+    )
+    result = run_python(["-c", code])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "hook ran\n"
