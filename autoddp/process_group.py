@@ -111,13 +111,17 @@ class _Joined:
 
     def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
         assert self.current is not None
-        self.current.__exit__(exc_type, *rest)
-        if self.created and exc_type is None:
-            import torch.distributed as dist
+        try:
+            if self.world.world_size == 1:
+                CURRENT.release_wrapped()  # the caller's own models are plain again after the call
+            elif self.created and exc_type is None:
+                import torch.distributed as dist
 
-            CURRENT.release_wrapped()
-            gc.collect()
-            dist.destroy_process_group()
+                CURRENT.release_wrapped()
+                gc.collect()
+                dist.destroy_process_group()
+        finally:
+            self.current.__exit__(exc_type, *rest)
 
 
 def _init_group(world: World, backend: Backend, device: str, timeout: datetime.timedelta | None) -> bool:

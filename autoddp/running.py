@@ -17,7 +17,7 @@ import torch
 
 from autoddp import _containers, models, process_group
 from autoddp.preparation import prepare
-from autoddp.state import RunOptions, World
+from autoddp.state import CURRENT, RunOptions, World
 
 
 @dataclasses.dataclass
@@ -43,10 +43,20 @@ def run_in_world(job: Job, world: World, finish: Callable[[Any], Any]) -> Any:
     sharded model is gathered there).
     """
     with process_group.joined(world, job.backend, job.timeout, job.options):
-        args, kwargs = prepare(job.args), prepare(job.kwargs)
-        result = job.fn(*args, **kwargs)
-        del args, kwargs
-        return finish(result)
+        previous, CURRENT.function = CURRENT.function, _where(job.fn)
+        try:
+            args, kwargs = prepare(job.args), prepare(job.kwargs)
+            result = job.fn(*args, **kwargs)
+            del args, kwargs
+            return finish(result)
+        finally:
+            CURRENT.function = previous
+
+
+def _where(fn: Callable[..., Any]) -> tuple[str, int] | None:
+    """(file, first line) of the user's function, for warnings raised where none of its lines is."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    return (code.co_filename, code.co_firstlineno) if code is not None else None
 
 
 def portable(value: Any) -> Any:

@@ -2,10 +2,10 @@
 
 ``World`` describes a process's place in a job (immutable). ``Run`` holds what changes while a
 process takes part in one: the world it joined, the run's options, the timeout its process
-group was given, and the models wrapped for it (so that they can let go of their process group
-before it ends). ``CURRENT`` is the only instance; the process-group lifecycle
-(``autoddp.process_group.joined``) is the only code that enters and leaves it. A leaf module:
-nothing here imports the rest of autoddp.
+group was given, the user's function being run, and the models wrapped for it (so that they can
+let go of their process group before it ends). ``CURRENT`` is the only instance; the
+process-group lifecycle (``autoddp.process_group.joined``) is the only code that enters and
+leaves a world. A leaf module: nothing here imports the rest of autoddp.
 """
 
 from __future__ import annotations
@@ -55,7 +55,10 @@ class Run:
         self.options: RunOptions = RunOptions()
         #: The timeout autoddp gave the process group (None: torch's default, or a group the user made).
         self.timeout: datetime.timedelta | None = None
-        self._wrapped: weakref.WeakKeyDictionary[Any, Releasing] = weakref.WeakKeyDictionary()
+        #: (file, first line) of the user's function being run, for warnings raised outside it.
+        self.function: tuple[str, int] | None = None
+        #: Models wrapped in each joined world, innermost last (weakly: a model may go).
+        self._wrapped: list[weakref.WeakKeyDictionary[Any, Releasing]] = []
 
     def joined(
         self,
@@ -67,14 +70,18 @@ class Run:
         return _Joined(self, world, options or RunOptions(), timeout)
 
     def track(self, model: Any, strategy: Releasing) -> None:
-        """Remember that ``strategy`` wrapped ``model`` for this run (weakly: the model may go)."""
-        self._wrapped[model] = strategy
+        """Remember that ``strategy`` wrapped ``model`` in the innermost joined world."""
+        if self._wrapped:
+            self._wrapped[-1][model] = strategy
 
     def release_wrapped(self) -> None:
-        """Have every wrapped model still alive let go of the process group (before it is destroyed)."""
-        for model, strategy in list(self._wrapped.items()):
+        """Have every model wrapped in the innermost world let go of it (before its group is destroyed)."""
+        if not self._wrapped:
+            return
+        wrapped = self._wrapped[-1]
+        for model, strategy in list(wrapped.items()):
             strategy.release(model)
-        self._wrapped.clear()
+        wrapped.clear()
 
 
 class _Joined:
@@ -93,12 +100,14 @@ class _Joined:
         run = self._run
         self._previous = run.world, run.options, run.timeout
         run.world, run.options, run.timeout = self._entered
+        run._wrapped.append(weakref.WeakKeyDictionary())
         return self._entered[0]
 
     def __exit__(self, *exc_info: object) -> None:
         run = self._run
         assert self._previous is not None
         run.world, run.options, run.timeout = self._previous
+        run._wrapped.pop()
 
 
 CURRENT = Run()

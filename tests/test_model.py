@@ -257,7 +257,12 @@ def test_sync_batchnorm_option_and_hint():
         synced(BNNet())  # torch's SyncBatchNorm is GPU-only: a clear error on CPU
     name, messages = unsynced()
     assert name == "BatchNorm1d"
-    assert any("sync_batchnorm=True" in m for m in messages)
+    (hint,) = [m for m in messages if "BatchNorm layers" in m]
+    # on CPU the hint must not recommend sync_batchnorm=True, which fails there
+    assert "sync_batchnorm=True" not in hint and "CUDA only" in hint
+    from autoddp.models.ddp import _batchnorm_hint
+
+    assert "sync_batchnorm=True" in _batchnorm_hint("BNNet", "cuda:0")
 
 
 def test_single_process_prepare_only_moves():

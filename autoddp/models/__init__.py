@@ -39,7 +39,7 @@ def strategy_of(model: Any) -> Strategy:
 
 def wrap(module: torch.nn.Module, world: World, options: RunOptions) -> torch.nn.Module:
     """``module`` ready for ``world`` with the run's strategy (a model already wrapped is kept)."""
-    if strategy_of(module) is not PLAIN or isinstance(module, torch.nn.parallel.DistributedDataParallel):
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
         return module
     return strategy_named(options.strategy).wrap(module, world, options)
 

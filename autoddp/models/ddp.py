@@ -1,32 +1,31 @@
 """The DDP strategy: move to the device, wrap in DDP, and keep the user's module transparent.
 
-The object the user gets back is their own module: its class is swapped for a cached subclass
-whose ``__call__`` goes through DistributedDataParallel when gradients are being recorded. So
-``isinstance`` holds, attributes read and write the module itself, ``state_dict`` keys have no
-``module.`` prefix, ``model.to(...)``/``.train()`` return the same wrapped object, and a user
-method that calls ``self(x)`` is synchronised too. Pickling, ``torch.save(model)`` and
-``copy.deepcopy`` give a plain copy of the user's class. Only a direct ``model.forward(x)``
-bypasses DDP.
+The object the user gets back is their own module (see ``_routing``): ``isinstance`` holds,
+attributes read and write the module itself, ``state_dict`` keys have no ``module.`` prefix,
+``model.to(...)``/``.train()`` return the same object, and a user method that calls ``self(x)``
+is synchronised too. Only a direct ``model.forward(x)`` bypasses DDP.
+
+The DDP stays right when the model changes after wrapping. Its ``Replica`` remembers each
+parameter with its dtype, device and ``requires_grad`` as the DDP was built; at every forward
+with gradients it checks them (and, after any module or parameter was registered anywhere, which
+parameters the model has) and builds a new DDP when they differ (``model.double()``, ``.half()``,
+``.to(device)``, a replaced layer, frozen or unfrozen parameters). The first forward with
+gradients also broadcasts rank 0's parameters and buffers, so weights re-initialised or loaded
+between wrapping and training start identical on every rank.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import threading
-import types
-import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from autoddp import _compat
+from autoddp import _compat, _warn
 from autoddp.errors import ConfigurationError
+from autoddp.models import _routing
 from autoddp.models.strategy import Strategy
 from autoddp.state import CURRENT, RunOptions, World
-
-_DDP_ATTR = "_autoddp_ddp"
 
 #: BatchNorm layers (torch's public classes) whose statistics stay per process without sync_batchnorm.
 _BATCHNORMS = (
@@ -39,14 +38,94 @@ _BATCHNORMS = (
 )
 
 
-class _Routing(threading.local):
-    """Per-thread state of the call routing: inside DDP's forward, and how many DDP calls ran."""
+class _Registrations:
+    """Counts module and parameter registrations in this process (torch's public global hooks).
 
-    inside = False
-    calls = 0
+    A model's set of parameters can only change through a registration, so a replica needs to
+    list its model's parameters again only when the count moved.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.installed = False
+
+    def install(self) -> None:
+        if self.installed:
+            return
+        from torch.nn.modules import module
+
+        module.register_module_parameter_registration_hook(self._bump)
+        module.register_module_module_registration_hook(self._bump)
+        self.installed = True
+
+    def _bump(self, *args: Any) -> None:
+        self.count += 1
 
 
-_ROUTING = _Routing()
+_REGISTRATIONS = _Registrations()
+
+
+class Replica:
+    """The DDP behind one module, rebuilt when the module's parameters change (module docstring)."""
+
+    def __init__(self, module: torch.nn.Module, ddp_kwargs: Mapping[str, Any]) -> None:
+        self.ddp_kwargs = dict(ddp_kwargs)
+        self.signature: list[tuple[torch.nn.Parameter, torch.dtype, torch.device, bool]] = []
+        self.registrations = -1
+        self.synced = False
+        self.build(module)
+
+    def build(self, module: torch.nn.Module) -> None:
+        """(Re)build the DDP for the module's parameters as they are now (a collective)."""
+        module.__dict__.pop(_routing.DDP_ATTR, None)  # the old DDP goes first: one reducer at a time
+        params = list(module.parameters())
+        self.signature = [(p, p.dtype, p.device, p.requires_grad) for p in params]
+        self.registrations = _REGISTRATIONS.count
+        if not any(p.requires_grad for p in params):
+            return  # nothing to synchronise (yet)
+        device = next((p.device for p in params if p.requires_grad), torch.device("cpu"))
+        device_ids = [device.index] if device.type == "cuda" else None
+        ddp = torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        object.__setattr__(module, _routing.DDP_ATTR, ddp)
+        self.synced = True  # DDP's constructor broadcast rank 0's parameters and buffers
+
+    def for_call(self, module: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel | None:
+        """The DDP to run a forward with gradients through, up to date with the module."""
+        if self._changed(module):
+            self.build(module)
+        elif not self.synced:
+            _broadcast_from_rank0(module)
+            self.synced = True
+        return module.__dict__.get(_routing.DDP_ATTR)
+
+    def _changed(self, module: torch.nn.Module) -> bool:
+        if self.registrations != _REGISTRATIONS.count:
+            self.registrations = _REGISTRATIONS.count
+            current = list(module.parameters())
+            if len(current) != len(self.signature) or any(
+                p is not q for p, (q, *_) in zip(current, self.signature, strict=True)
+            ):
+                return True
+        for p, dtype, device, requires_grad in self.signature:
+            if p.dtype is not dtype or p.requires_grad is not requires_grad or p.device != device:
+                return True
+        return False
+
+
+def _broadcast_from_rank0(module: torch.nn.Module) -> None:
+    """Copy rank 0's parameters and buffers into every rank's module, in place."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        tensors = [t for t in (*module.parameters(), *module.buffers()) if t.numel()]
+        works = [dist.broadcast(t.data, src=0, async_op=True) for t in tensors if t.is_contiguous()]
+        for work in works:
+            work.wait()
+        for t in tensors:
+            if not t.is_contiguous():
+                copy = t.data.contiguous()
+                dist.broadcast(copy, src=0)
+                t.data.copy_(copy)
 
 
 def wrap_model(
@@ -58,17 +137,21 @@ def wrap_model(
 ) -> torch.nn.Module:
     """Return ``module`` on this process's device, its gradients synchronised across the world.
 
-    With one process, or a model with nothing to train, the module is only moved. A model that
-    is already wrapped (by autoddp or in a DistributedDataParallel) is returned unchanged.
+    With one process the module is moved and given the swapped class only (``no_sync`` is then
+    a no-op). A model that is already wrapped (by autoddp or in a DistributedDataParallel) is
+    returned unchanged.
     """
-    if is_wrapped(module) or isinstance(module, torch.nn.parallel.DistributedDataParallel):
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        return module
+    if _routing.REPLICA_ATTR in module.__dict__:
         return module
     compiled = _compat.compiled_parts(module)
     if compiled is not None:  # torch.compile(model): wrap the real module, keep its compilation
         inner, dynamo_ctx = compiled
         _compat.compile_in_place(inner, dynamo_ctx)
         module = inner
-    if world.world_size > 1 and sync_batchnorm:
+    distributed = world.world_size > 1
+    if distributed and sync_batchnorm:
         if not world.device.startswith("cuda"):
             raise ConfigurationError(
                 "sync_batchnorm=True needs CUDA devices: torch's SyncBatchNorm does not run on the CPU. "
@@ -77,21 +160,25 @@ def wrap_model(
         module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
     if not _on_device(module, world.device):
         module = module.to(world.device)
-    if world.world_size == 1 or not any(p.requires_grad for p in module.parameters()):
+    _routing.swap(module, DDP)
+    CURRENT.track(module, DDP)
+    if not distributed:
         return module
     if not sync_batchnorm and any(isinstance(m, _BATCHNORMS) for m in module.modules()):
-        warnings.warn(
-            f"{type(module).__name__} has BatchNorm layers: each process normalises with the statistics "
-            "of its own batch. Pass sync_batchnorm=True to @distributed to synchronise them.",
-            UserWarning,
-            stacklevel=4,
-        )
-    device_ids = [torch.device(world.device).index] if world.device.startswith("cuda") else None
-    ddp = torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **dict(ddp_kwargs or {}))
-    object.__setattr__(module, _DDP_ATTR, ddp)
-    module.__class__ = _wrapped_class(type(module))
-    CURRENT.track(module, DDP)
+        _warn.warn(_batchnorm_hint(type(module).__name__, world.device))
+    _REGISTRATIONS.install()
+    object.__setattr__(module, _routing.REPLICA_ATTR, Replica(module, ddp_kwargs or {}))
     return module
+
+
+def _batchnorm_hint(name: str, device: str) -> str:
+    text = f"{name} has BatchNorm layers: each process normalises with the statistics of its own batch. "
+    if device.startswith("cuda"):
+        return text + "Pass sync_batchnorm=True to @distributed to synchronise them across processes."
+    return text + (
+        "torch's SyncBatchNorm runs on CUDA only, so CPU processes keep per-process statistics; "
+        "if that matters, use larger per-process batches or GroupNorm/LayerNorm."
+    )
 
 
 def _on_device(module: torch.nn.Module, device: str) -> bool:
@@ -102,128 +189,26 @@ def _on_device(module: torch.nn.Module, device: str) -> bool:
 
 
 def is_wrapped(model: Any) -> bool:
-    """True for a module that autoddp wrapped in DDP."""
-    return isinstance(model, torch.nn.Module) and _DDP_ATTR in model.__dict__
+    """True for a module whose gradients autoddp synchronises with a DDP now."""
+    return isinstance(model, torch.nn.Module) and _routing.DDP_ATTR in model.__dict__
 
 
 def ddp_of(model: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel | None:
-    """The DistributedDataParallel behind a wrapped module (None if it is not wrapped)."""
-    return model.__dict__.get(_DDP_ATTR)
+    """The DistributedDataParallel behind a wrapped module (None if it has none)."""
+    return model.__dict__.get(_routing.DDP_ATTR)
 
 
 def release(model: torch.nn.Module) -> None:
-    """Detach the DDP wrapper from ``model`` (before its process group is destroyed).
+    """Detach the DDP from ``model`` (before its process group is destroyed); it is plain again.
 
-    Freeing a DDP wrapper after ``destroy_process_group`` can deadlock gloo, so the group's
-    lifecycle releases every wrapped model first; the module is then plain again.
+    Freeing a DDP after ``destroy_process_group`` can deadlock gloo, so the group's lifecycle
+    releases every wrapped model first.
     """
-    if is_wrapped(model):
-        del model.__dict__[_DDP_ATTR]
-        model.__class__ = model.__class__._autoddp_plain_class
-
-
-# --- the swapped class --------------------------------------------------------------------
-
-
-def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    plain = type(self)._autoddp_plain_class
-    ddp = self.__dict__.get(_DDP_ATTR)
-    if ddp is None or _ROUTING.inside or not torch.is_grad_enabled():
-        return plain.__call__(self, *args, **kwargs)
-    _ROUTING.inside = True
-    _ROUTING.calls += 1
-    try:
-        return ddp(*args, **kwargs)
-    finally:
-        _ROUTING.inside = False
-
-
-def _reduce_ex(self: torch.nn.Module, protocol: int) -> tuple:
-    plain = type(self)._autoddp_plain_class
-    getstate = getattr(plain, "__getstate__", None)
-    state = getstate(self) if getstate is not None and getstate is not object.__getstate__ else None
-    if state is None:
-        state = self.__dict__
-    if isinstance(state, dict):
-        state = {key: value for key, value in state.items() if key != _DDP_ATTR}
-    return (_new_plain, (plain,), state)
-
-
-def _new_plain(cls: type) -> Any:
-    return cls.__new__(cls)
-
-
-def _no_sync(self: torch.nn.Module) -> contextlib.AbstractContextManager:
-    """Skip gradient synchronisation inside the block (gradient accumulation); DDP's ``no_sync``."""
-    ddp = self.__dict__.get(_DDP_ATTR)
-    return ddp.no_sync() if ddp is not None else contextlib.nullcontext()
-
-
-def _watched(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a user method so that computing with gradients while bypassing DDP warns once."""
-
-    @functools.wraps(method)
-    def watched(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if _ROUTING.inside or not torch.is_grad_enabled() or _DDP_ATTR not in self.__dict__:
-            return method(self, *args, **kwargs)
-        calls = _ROUTING.calls
-        result = method(self, *args, **kwargs)
-        if _ROUTING.calls == calls and _carries_grad(result):
-            warnings.warn(
-                f"{type(self).__name__}.{name}() computed a result with gradients without calling the "
-                f"model itself, so DDP did not see it and will not synchronise those gradients across "
-                f"processes. Call self(...) inside {name}(), or compute through the model's forward.",
-                UserWarning,
-                stacklevel=2,
-            )
-        return result
-
-    return watched
-
-
-def _carries_grad(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return value.grad_fn is not None
-    if isinstance(value, (list, tuple)):
-        return any(_carries_grad(v) for v in value)
-    if isinstance(value, dict):
-        return any(_carries_grad(v) for v in value.values())
-    return False
-
-
-def _user_methods(cls: type) -> Iterator[tuple[str, Callable[..., Any]]]:
-    seen: set[str] = set()
-    for klass in cls.__mro__:
-        if klass is torch.nn.Module or not issubclass(klass, torch.nn.Module):
-            break
-        for name, attr in vars(klass).items():
-            if name in seen:
-                continue
-            seen.add(name)
-            if isinstance(attr, types.FunctionType) and not name.startswith("_") and name != "forward":
-                yield name, attr
-
-
-@functools.cache
-def _wrapped_class(cls: type) -> type:
-    """A subclass of ``cls`` with the same name whose calls go through the instance's DDP."""
-    namespace: dict[str, Any] = {
-        "__call__": _call,
-        "__reduce_ex__": _reduce_ex,
-        "no_sync": _no_sync,
-        "_autoddp_plain_class": cls,
-        "_autoddp_strategy": DDP,
-        "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__,
-        "__doc__": cls.__doc__,
-    }
-    for name, method in _user_methods(cls):
-        namespace[name] = _watched(name, method)
-    return types.new_class(cls.__name__, (cls,), exec_body=lambda ns: ns.update(namespace))
+    _routing.unswap(model)
 
 
 class DDPStrategy(Strategy):
-    """DistributedDataParallel behind the user's own module (class swap, see the module docstring)."""
+    """DistributedDataParallel behind the user's own module (class swap, see ``_routing``)."""
 
     name = "ddp"
 

@@ -1,0 +1,160 @@
+"""The swapped class of a module autoddp distributes with DDP: calls routed through its DDP.
+
+The user's module keeps its identity; its class becomes a cached subclass (same name and
+qualified name) whose ``__call__`` asks the module's ``Replica`` (kept in the instance's
+``__dict__``) for an up-to-date DDP while gradients are recorded, and runs the plain module
+otherwise. ``no_sync`` is always there (a no-op without DDP). Pickling, ``torch.save(model)``
+and ``copy.deepcopy`` give the plain class without autoddp's attributes. User methods that
+compute with gradients without calling the model warn once (DDP cannot see them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import types
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+
+from autoddp import _warn
+
+#: Where the DDP and its replica live in the module's ``__dict__``.
+DDP_ATTR = "_autoddp_ddp"
+REPLICA_ATTR = "_autoddp_replica"
+_PRIVATE = (DDP_ATTR, REPLICA_ATTR)
+
+
+class Replica(Protocol):
+    """What the swapped class needs from the state kept beside the module."""
+
+    def for_call(self, module: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel | None: ...
+
+
+class _Routing(threading.local):
+    """Per-thread state of the call routing: inside DDP's forward, and how many DDP calls ran."""
+
+    inside = False
+    calls = 0
+
+
+_ROUTING = _Routing()
+
+
+def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    plain = type(self)._autoddp_plain_class
+    replica = self.__dict__.get(REPLICA_ATTR)
+    if replica is None or _ROUTING.inside or not torch.is_grad_enabled():
+        return plain.__call__(self, *args, **kwargs)
+    ddp = replica.for_call(self)
+    if ddp is None:
+        return plain.__call__(self, *args, **kwargs)
+    _ROUTING.inside = True
+    _ROUTING.calls += 1
+    try:
+        return ddp(*args, **kwargs)
+    finally:
+        _ROUTING.inside = False
+
+
+def _no_sync(self: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """Skip gradient synchronisation inside the block (gradient accumulation); DDP's ``no_sync``.
+
+    A no-op where there is nothing to synchronise (one process, nothing to train).
+    """
+    replica = self.__dict__.get(REPLICA_ATTR)
+    ddp = replica.for_call(self) if replica is not None else None
+    return ddp.no_sync() if ddp is not None else contextlib.nullcontext()
+
+
+def _reduce_ex(self: torch.nn.Module, protocol: int) -> tuple:
+    plain = type(self)._autoddp_plain_class
+    getstate = getattr(plain, "__getstate__", None)
+    state = getstate(self) if getstate is not None and getstate is not object.__getstate__ else None
+    if state is None:
+        state = self.__dict__
+    if isinstance(state, dict):
+        state = {key: value for key, value in state.items() if key not in _PRIVATE}
+    return (_new_plain, (plain,), state)
+
+
+def _new_plain(cls: type) -> Any:
+    return cls.__new__(cls)
+
+
+def _watched(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a user method so that computing with gradients while bypassing DDP warns once."""
+
+    @functools.wraps(method)
+    def watched(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if _ROUTING.inside or not torch.is_grad_enabled() or DDP_ATTR not in self.__dict__:
+            return method(self, *args, **kwargs)
+        calls = _ROUTING.calls
+        result = method(self, *args, **kwargs)
+        if _ROUTING.calls == calls and _carries_grad(result):
+            _warn.warn(
+                f"{type(self).__name__}.{name}() computed a result with gradients without calling the "
+                f"model itself, so DDP did not see it and will not synchronise those gradients across "
+                f"processes. Call self(...) inside {name}(), or compute through the model's forward."
+            )
+        return result
+
+    return watched
+
+
+def _carries_grad(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.grad_fn is not None
+    if isinstance(value, (list, tuple)):
+        return any(_carries_grad(v) for v in value)
+    if isinstance(value, dict):
+        return any(_carries_grad(v) for v in value.values())
+    return False
+
+
+def _user_methods(cls: type) -> Iterator[tuple[str, Callable[..., Any]]]:
+    seen: set[str] = set()
+    for klass in cls.__mro__:
+        if klass is torch.nn.Module or not issubclass(klass, torch.nn.Module):
+            break
+        for name, attr in vars(klass).items():
+            if name in seen:
+                continue
+            seen.add(name)
+            if isinstance(attr, types.FunctionType) and not name.startswith("_") and name != "forward":
+                yield name, attr
+
+
+@functools.cache
+def swapped_class(cls: type, strategy: Any) -> type:
+    """A subclass of ``cls`` with the same name whose calls go through the instance's DDP."""
+    namespace: dict[str, Any] = {
+        "__call__": _call,
+        "__reduce_ex__": _reduce_ex,
+        "no_sync": _no_sync,
+        "_autoddp_plain_class": cls,
+        "_autoddp_strategy": strategy,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+    }
+    for name, method in _user_methods(cls):
+        namespace[name] = _watched(name, method)
+    return types.new_class(cls.__name__, (cls,), exec_body=lambda ns: ns.update(namespace))
+
+
+def swap(module: torch.nn.Module, strategy: Any) -> None:
+    """Give ``module`` its swapped class (idempotent)."""
+    if "_autoddp_plain_class" not in type(module).__dict__:
+        module.__class__ = swapped_class(type(module), strategy)
+
+
+def unswap(module: torch.nn.Module) -> None:
+    """Give ``module`` its own class back and drop autoddp's attributes."""
+    for name in _PRIVATE:
+        module.__dict__.pop(name, None)
+    plain = type(module).__dict__.get("_autoddp_plain_class")
+    if plain is not None:
+        module.__class__ = plain
