@@ -4,7 +4,6 @@ from autoddp._version import __version__ as __version__
 from autoddp.checkpoint import load, save
 from autoddp.console import print as print  # public, but kept out of __all__ (see below)
 from autoddp.console import progress
-from autoddp.data import gather
 from autoddp.decorator import distributed
 from autoddp.errors import (
     AutoDDPError,
@@ -15,6 +14,7 @@ from autoddp.errors import (
     SerializationError,
     WorkerError,
 )
+from autoddp.gather import gather
 from autoddp.models import unwrap
 from autoddp.preparation import prepare
 from autoddp.rank0_control import rank0

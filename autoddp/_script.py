@@ -46,7 +46,10 @@ def main() -> None:
     _worker.die_with_parent()
     try:
         _run(sys.argv[1:])
-    except SystemExit:
+    except SystemExit as exc:
+        folder = os.environ.get("AUTODDP_RUN_FOLDER")
+        if folder and exc.code not in (None, 0):  # the launcher names the rank and the code
+            transport.save_error(folder, int(os.environ.get("RANK", "0")), exc)
         raise
     except KeyboardInterrupt:  # the launcher passes Ctrl-C on and reports it once, for everyone
         sys.exit(128 + 2)

@@ -27,6 +27,8 @@ _SKIPPED = (
     os.path.dirname(os.path.abspath(contextlib.__file__)) + os.sep + "contextlib.py",
     os.sep + "wrapt" + os.sep,
 )
+#: The one call path (``running.run_in_world``): frames beyond it are never the user's.
+_CALL_PATH = _HERE + "running.py"
 #: Which (text, category, line) were shown when attributed explicitly: each is shown once.
 _REGISTRY: dict = {}
 
@@ -41,6 +43,9 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
     frame = sys._getframe(1)
     level = 2  # 1 would be this function's own call of warnings.warn
     while frame is not None and _ours(frame.f_code.co_filename):
+        if frame.f_code.co_filename == _CALL_PATH:  # below it: the worker's machinery, not user code
+            frame = None
+            break
         frame = frame.f_back
         level += 1
     if frame is not None:

@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import faulthandler
 import gc
+import multiprocessing
 import os
 import signal
 import sys
@@ -94,28 +95,73 @@ def _set_up_process() -> None:
         for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
             signal.signal(getattr(signal, name), signal.SIG_DFL)
     die_with_parent()
+    _FORKS.make_children_die_with_this_worker()
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
 
 
-def die_with_parent() -> None:
-    """Have the kernel kill this worker if the launching process dies (no orphans on GPUs)."""
+def die_with_parent(parent: int | None = None) -> None:
+    """Have the kernel kill this process if its parent dies (no orphans holding GPUs or data).
+
+    ``parent``: the pid the parent had (default: ``AUTODDP_PARENT_PID``), to catch a parent that
+    died before the request took effect.
+    """
     if not sys.platform.startswith("linux"):
         return
     pr_set_pdeathsig = 1
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-    parent = os.environ.get("AUTODDP_PARENT_PID", "")
-    if parent.isdigit() and os.getppid() != int(parent):
+    if parent is None:
+        known = os.environ.get("AUTODDP_PARENT_PID", "")
+        parent = int(known) if known.isdigit() else None
+    if parent is not None and os.getppid() != parent:
         os._exit(1)  # the parent died before prctl took effect
 
 
+class _Forks:
+    """Processes this worker forks from its main thread (DataLoader workers, pools) die with it.
+
+    A worker stopped by a signal cannot stop its children itself; without this they would live
+    on until their own watchdog noticed (seconds for DataLoader workers). Only forks from the
+    main thread: the kernel ties the signal to the thread that forked, and the main thread lives
+    as long as the process.
+    """
+
+    def __init__(self) -> None:
+        self.registered = False
+        self.from_main: tuple[bool, int] = (False, 0)
+
+    def make_children_die_with_this_worker(self) -> None:
+        if self.registered or not hasattr(os, "register_at_fork"):
+            return
+        os.register_at_fork(before=self._before, after_in_child=self._after_in_child)
+        self.registered = True
+
+    def _before(self) -> None:
+        self.from_main = (threading.current_thread() is threading.main_thread(), os.getpid())
+
+    def _after_in_child(self) -> None:
+        from_main, parent = self.from_main
+        if from_main:
+            die_with_parent(parent)
+
+
+_FORKS = _Forks()
+
+
 def _leave(code: int, run_atexit: bool = True) -> None:
-    """Exit now: flush output and run atexit hooks, but skip the slow interpreter teardown."""
+    """Exit now: flush output and run atexit hooks, but skip the slow interpreter teardown.
+
+    This process's own children (DataLoader workers, persistent ones too) are killed first:
+    left alone they would notice the exit only at their next watchdog check, seconds later.
+    """
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # a closed stream must not block the exit
             stream.flush()
     if run_atexit:
         _compat.run_atexit_hooks()
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(Exception):
+            child.kill()
     os._exit(code)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from autoddp import _containers, models
-from autoddp.rank0_control import decorate
+from autoddp.rank0_control import run_on_rank0
 from autoddp.world import device
 
 # Temporary files are named ".<checkpoint name>.<random>.autoddp-tmp" next to the checkpoint.
@@ -40,9 +40,14 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
     at the top or inside dicts, lists, tuples and dataclasses, are saved as their state dicts.
     Every rank builds that state first (a sharded model assembles its full state with a
     collective), then rank 0 writes it. A failure on rank 0 raises there and as ``Rank0Error`` on
-    the other ranks.
+    the other ranks. Called on rank 0 alone (``if autoddp.is_main():``) it writes without waiting
+    for anyone: saves are paired across ranks per path, so such a save never satisfies a later
+    save of another path that every rank makes.
     """
-    _write_on_rank0(_plain_state(obj), os.fspath(path))
+    path = os.fspath(path)
+    state = _plain_state(obj)
+    where = f"autoddp.save({path!r})"
+    run_on_rank0(_write, (state, path), {}, where=where, series=f"save:{os.path.abspath(path)}")
 
 
 def load(path: str | os.PathLike[str], default: Any = _MISSING, *, weights_only: bool = True) -> Any:
@@ -91,10 +96,6 @@ def _write(state: Any, path: str) -> None:
         raise
     _remove_stale_temporaries(folder, name)
     _fsync_folder(folder)
-
-
-# Rank 0 writes; the others wait for it and learn whether it failed (see autoddp.rank0).
-_write_on_rank0 = decorate(_write, where="autoddp.save()")
 
 
 def _plain_state(obj: Any) -> Any:

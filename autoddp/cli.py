@@ -10,7 +10,7 @@ import sys
 import click
 
 from autoddp import environment, hardware, launch
-from autoddp.errors import ConfigurationError
+from autoddp.errors import ConfigurationError, WorkerError
 
 _CONTEXT = {
     "help_option_names": ["-h", "--help"],
@@ -263,6 +263,11 @@ def _launch(
         )
     except KeyboardInterrupt:  # Ctrl-C: the workers are stopped and one line was printed
         return 128 + int(signal.SIGINT)
+    except SystemExit as error:  # a rank called sys.exit(code): the launcher said so in one line
+        return error.code if isinstance(error.code, int) else 1
+    except WorkerError as error:  # died without a Python exception: there is no traceback to point at
+        click.echo(f"autoddp: {error}", err=True)
+        return 1
     except Exception as error:  # a worker failed: it printed its own traceback
         click.echo(f"autoddp: {launch.one_line(error)} (its traceback is above)", err=True)
         return 1

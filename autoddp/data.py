@@ -1,18 +1,16 @@
-"""Data sharding: give each process a disjoint share of every DataLoader, and gather results back.
+"""Data sharding: give each process a disjoint share of every DataLoader.
 
-``shard_loader`` swaps a loader's sampler (or batch sampler) for a distributed one, in place when it
-can, so the loader keeps its class, identity and every constructor setting. The distributed
-samplers here move to the next epoch by themselves on every pass, draw their seed from the user's
-own seed, and pad so that every rank sees the same number of samples and batches. ``gather``
-collects per-sample results (predictions, losses) from every rank, in the single-process order.
+``shard_loader`` swaps a loader's sampler (or batch sampler) for a distributed one
+(``autoddp.samplers``), in place when it can, so the loader keeps its class, identity and every
+constructor setting. The samplers move to the next epoch by themselves on every pass, draw their
+seed from the user's own seed, and pad so that every rank sees the same number of samples and
+batches. ``autoddp.gather`` collects per-sample results back in the single-process order.
 """
 
 from __future__ import annotations
 
 import inspect
-import math
-import warnings
-from collections.abc import Iterator, Sequence
+import types
 from typing import Any
 
 import torch
@@ -25,99 +23,14 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-from autoddp import _compat
+from autoddp import _compat, _warn
 from autoddp.errors import ConfigurationError
-from autoddp.state import World
-from autoddp.world import current
-
-__all__ = ["gather", "shard_loader"]
+from autoddp.process_group import comm_device
+from autoddp.samplers import AutoEpochSampler, ShardedSampler
+from autoddp.state import CURRENT, World
 
 # Seeds travel as int64 tensors; torch seeds are unsigned 64-bit, so fold them into this range.
 _SEED_RANGE = 2**62
-
-
-class _DistributedSampler(DistributedSampler):
-    """A DistributedSampler (padded, never dropping samples) that moves to the next epoch by itself.
-
-    Every pass over it (DataLoader iterates its sampler once per epoch, also with persistent
-    workers) uses the next epoch, so each epoch is shuffled differently, identically on every rank,
-    with no ``set_epoch`` call. An explicit ``set_epoch(n)`` still wins: the next pass uses ``n``,
-    the ones after it ``n + 1``, ``n + 2``... The epoch advances when the pass starts yielding, not
-    when ``iter()`` is called, because DataLoader may create and drop a sampler iterator unused.
-    """
-
-    def __init__(self, source: Any, *, world: World, shuffle: bool, seed: int) -> None:
-        super().__init__(
-            source,
-            num_replicas=world.world_size,
-            rank=world.rank,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=False,
-        )
-        self._next_epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch`` for the next pass; later passes continue from it."""
-        super().set_epoch(epoch)
-        self._next_epoch = epoch
-
-    def _begin_pass(self) -> None:
-        self.epoch = self._next_epoch
-        self._next_epoch = self.epoch + 1
-
-    def __iter__(self) -> Iterator[Any]:
-        self._begin_pass()
-        yield from super().__iter__()
-
-
-class _ShardedSampler(_DistributedSampler):
-    """Shards any sampler or batch sampler by its own order: each rank takes every W-th item.
-
-    On every pass the wrapped sampler is drawn in full under a seed shared by all ranks (its
-    ``generator``, if it has that attribute, is replaced for the draw by one seeded from the shared
-    seed and the epoch, and torch's global CPU generator is seeded the same way and restored
-    afterwards), so all ranks see the same order and take disjoint shares of it. The order is
-    padded by repeating its start, as DistributedSampler does, so every rank gets the same number
-    of items. Wrapping a batch sampler shards whole batches.
-    """
-
-    def __init__(self, sampler: Any, *, world: World, seed: int) -> None:
-        super().__init__(sampler, world=world, shuffle=False, seed=seed)
-        self.sampler = sampler
-
-    def __iter__(self) -> Iterator[Any]:
-        self._begin_pass()
-        order = _draw(self.sampler, (self.seed + self.epoch) % 2**64)
-        yield from _share(order, self.rank, self.num_replicas)
-
-
-def _draw(sampler: Any, seed: int) -> list[Any]:
-    """The full order of one pass over ``sampler``, drawn under ``seed``."""
-    replaced = False
-    if hasattr(sampler, "generator"):
-        original = sampler.generator
-        try:
-            sampler.generator = torch.Generator().manual_seed(seed)
-            replaced = True
-        except (AttributeError, TypeError):
-            pass
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(seed)
-            return list(sampler)
-    finally:
-        if replaced:
-            sampler.generator = original
-
-
-def _share(order: list[Any], rank: int, world_size: int) -> list[Any]:
-    """Rank ``rank``'s share of ``order``, padded by repeating its start to a multiple of the world."""
-    if not order:
-        return []
-    total = math.ceil(len(order) / world_size) * world_size
-    padded = (order * math.ceil(total / len(order)))[:total]
-    return padded[rank:total:world_size]
 
 
 def shard_loader(loader: DataLoader, world: World) -> DataLoader:
@@ -132,28 +45,26 @@ def shard_loader(loader: DataLoader, world: World) -> DataLoader:
     if world.world_size <= 1:
         return loader
     if isinstance(loader.dataset, IterableDataset):
-        warnings.warn(
-            f"autoddp cannot shard a DataLoader over an IterableDataset "
-            f"({type(loader.dataset).__name__}): it takes no sampler, so every process would read "
-            "all of it. Left unchanged; shard inside the dataset's __iter__ instead, e.g. keep "
-            "every autoddp.world_size()-th item starting at autoddp.rank() (and split further "
-            "between DataLoader workers with torch.utils.data.get_worker_info()).",
-            UserWarning,
-            stacklevel=2,
-        )
+        if not shards_itself(loader.dataset):
+            _warn.warn(
+                f"autoddp cannot shard a DataLoader over an IterableDataset "
+                f"({type(loader.dataset).__name__}): it takes no sampler, so every process would read "
+                "all of it. Left unchanged; shard inside the dataset's __iter__ instead, e.g. keep "
+                "every autoddp.world_size()-th item starting at autoddp.rank() (and split further "
+                "between DataLoader workers with torch.utils.data.get_worker_info()), or set "
+                "dataset.autoddp_sharded = True if it already shards itself."
+            )
         return loader
-    existing = _distributed_sampler(loader)
+    existing = distributed_sampler(loader)
     if existing is not None:
         hint = (
             ""
-            if isinstance(existing, _DistributedSampler)
+            if isinstance(existing, AutoEpochSampler)
             else " It does not advance epochs by itself: call its set_epoch(epoch) before each epoch."
         )
-        warnings.warn(
+        _warn.warn(
             f"this DataLoader's sampler is already a DistributedSampler ({type(existing).__name__}): "
-            f"already sharded; left as is.{hint}",
-            UserWarning,
-            stacklevel=2,
+            f"already sharded; left as is.{hint}"
         )
         return loader
 
@@ -188,7 +99,52 @@ def shard_loader(loader: DataLoader, world: World) -> DataLoader:
     return _rebuild(loader, new_sampler, new_batch_sampler, user_batches)
 
 
-def _distributed_sampler(loader: DataLoader) -> DistributedSampler | None:
+#: Names in an IterableDataset's ``__iter__`` (or its attributes) that show it reads the rank itself.
+_RANK_NAMES = frozenset(
+    {
+        "rank",
+        "get_rank",
+        "global_rank",
+        "world_size",
+        "get_world_size",
+        "num_replicas",
+        "RANK",
+        "WORLD_SIZE",
+        "split_dataset_by_node",
+        "split_by_node",
+    }
+)
+
+
+def shards_itself(dataset: IterableDataset) -> bool:
+    """True for an IterableDataset that gives each rank its own share (so no warning is due).
+
+    Recognised by ``dataset.autoddp_sharded = True`` (the explicit opt-out), by an attribute that
+    holds the rank or world size (``rank``, ``world_size``, ``num_replicas``...), or by those names
+    (``autoddp.rank()``, ``dist.get_rank()``, ``os.environ["RANK"]``, ``split_dataset_by_node``)
+    in the code of its ``__iter__``, nested functions included.
+    """
+    flag = getattr(dataset, "autoddp_sharded", None)
+    if flag is not None:
+        return bool(flag)
+    if _RANK_NAMES & set(getattr(dataset, "__dict__", {})):
+        return True
+    code = getattr(getattr(type(dataset), "__iter__", None), "__code__", None)
+    return code is not None and _mentions_rank(code)
+
+
+def _mentions_rank(code: types.CodeType) -> bool:
+    if _RANK_NAMES & {*code.co_names, *code.co_varnames}:
+        return True
+    for constant in code.co_consts:
+        if isinstance(constant, str) and constant in _RANK_NAMES:
+            return True
+        if isinstance(constant, types.CodeType) and _mentions_rank(constant):
+            return True
+    return False
+
+
+def distributed_sampler(loader: DataLoader) -> DistributedSampler | None:
     """The DistributedSampler that decides this loader's order, if it has one."""
     batch_sampler = loader.batch_sampler
     if isinstance(batch_sampler, DistributedSampler):
@@ -204,13 +160,13 @@ def _distributed_sampler(loader: DataLoader) -> DistributedSampler | None:
 def _distribute(sampler: Any, world: World, seed: int) -> DistributedSampler:
     """The distributed counterpart of ``sampler`` for this rank."""
     if type(sampler) is SequentialSampler:
-        return _DistributedSampler(sampler.data_source, world=world, shuffle=False, seed=seed)
+        return AutoEpochSampler(sampler.data_source, world=world, shuffle=False, seed=seed)
     if (
         type(sampler) is RandomSampler
         and not sampler.replacement
         and sampler.num_samples == len(sampler.data_source)
     ):
-        return _DistributedSampler(sampler.data_source, world=world, shuffle=True, seed=seed)
+        return AutoEpochSampler(sampler.data_source, world=world, shuffle=True, seed=seed)
     try:
         len(sampler)
     except TypeError as error:
@@ -220,15 +176,22 @@ def _distribute(sampler: Any, world: World, seed: int) -> DistributedSampler:
             "subclass of torch.utils.data.distributed.DistributedSampler that yields only this "
             "process's share (autoddp leaves those as they are)"
         ) from error
-    return _ShardedSampler(sampler, world=world, seed=seed)
+    return ShardedSampler(sampler, world=world, seed=seed)
 
 
 def _user_seed(loader: DataLoader, sampler: Any) -> int:
-    """The seed the user chose: the sampler's or the loader's generator, else ``torch.manual_seed``."""
+    """The seed the user chose: the sampler's or the loader's generator, else ``torch.manual_seed``.
+
+    In a worker autoddp seeded (``autoddp.streams``), torch's seed is the caller's unless the
+    function set its own.
+    """
     for generator in (getattr(sampler, "generator", None), loader.generator):
         if isinstance(generator, torch.Generator):
             return generator.initial_seed() % _SEED_RANGE
-    return torch.initial_seed() % _SEED_RANGE
+    seed = torch.initial_seed()
+    if CURRENT.seeds is not None and seed == CURRENT.seeds[0]:
+        seed = CURRENT.seeds[1]
+    return seed % _SEED_RANGE
 
 
 def _shared_seed(seed: int, world: World) -> int:
@@ -237,27 +200,9 @@ def _shared_seed(seed: int, world: World) -> int:
 
     if world.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
         return seed
-    value = torch.tensor([seed], dtype=torch.int64, device=_comm_device(torch.device("cpu")))
+    value = torch.tensor([seed], dtype=torch.int64, device=comm_device(torch.device("cpu")))
     dist.broadcast(value, src=0)
     return int(value.item())
-
-
-def _comm_device(preferred: torch.device) -> torch.device:
-    """``preferred`` if the default process group can communicate on it, else a device it can."""
-    import torch.distributed as dist
-
-    config = dist.get_backend_config()  # e.g. "cpu:gloo,cuda:gloo" or "cpu:gloo,cuda:nccl"
-    if ":" in config:
-        types = {pair.split(":")[0].strip() for pair in config.split(",")}
-    else:
-        types = {"cpu"} if "gloo" in config else {"cuda"}
-    if preferred.type in types:
-        return preferred
-    if "cpu" in types:
-        return torch.device("cpu")
-    if "cuda" in types and torch.cuda.is_initialized():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(current().device)
 
 
 def _rebuild(loader: DataLoader, sampler: Any, batch_sampler: Any, user_batches: bool) -> DataLoader:
@@ -304,87 +249,3 @@ def _rebuild(loader: DataLoader, sampler: Any, batch_sampler: Any, user_batches:
     if user_batches and type(batch_sampler) is BatchSampler:
         object.__setattr__(rebuilt, "sampler", sampler)
     return rebuilt
-
-
-def gather(tensor: torch.Tensor, loader: DataLoader | None = None) -> torch.Tensor:
-    """All ranks' rows of ``tensor`` on every rank, so metrics match a single-process run.
-
-    Every rank must call it. Rows may differ in number between ranks. Without ``loader`` the rows
-    are concatenated in rank order. With the sharded ``loader`` the tensor was built from (one row
-    per sample, one full pass in order, ``drop_last=False``), the rows come back in the global
-    sample order and the padding repeats are dropped: for an unshuffled loader the result equals
-    the single-process one. Outside a process group the tensor is returned unchanged. The result
-    lies on ``tensor``'s device and carries no gradient.
-    """
-    import torch.distributed as dist
-
-    if not isinstance(tensor, torch.Tensor):
-        raise ConfigurationError(f"gather() needs a torch.Tensor, got {type(tensor).__name__}")
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return tensor
-    world_size = dist.get_world_size()
-
-    shapes: list[Any] = [None] * world_size
-    dist.all_gather_object(shapes, (tuple(tensor.shape), str(tensor.dtype)))
-    if any(len(shape) == 0 for shape, _ in shapes):
-        raise ConfigurationError(
-            "gather() needs a tensor with a first (sample) dimension on every rank, but got a 0-d "
-            "tensor; pass tensor.reshape(1), or use torch.distributed.all_reduce for a single number"
-        )
-    if len({(shape[1:], dtype) for shape, dtype in shapes}) > 1:
-        described = ", ".join(f"rank {r}: {tuple(s)} {d}" for r, (s, d) in enumerate(shapes))
-        raise ConfigurationError(
-            "gather() needs tensors that differ only in their first dimension and share a dtype "
-            f"on every rank; got {described}"
-        )
-    rows = [shape[0] for shape, _ in shapes]
-
-    device = _comm_device(tensor.device)
-    local = tensor.detach().to(device).contiguous()
-    longest = max(rows)
-    if local.shape[0] < longest:
-        filler = local.new_zeros((longest - local.shape[0], *local.shape[1:]))
-        local = torch.cat([local, filler])
-    parts = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(parts, local)
-    parts = [part[:count] for part, count in zip(parts, rows, strict=True)]
-
-    if loader is None:
-        return torch.cat(parts).to(tensor.device)
-    per_rank, total = _layout(loader, world_size, rows)
-    interleaved = torch.stack(parts, dim=1).reshape(per_rank * world_size, *local.shape[1:])
-    return interleaved[:total].to(tensor.device)
-
-
-def _layout(loader: DataLoader, world_size: int, rows: Sequence[int]) -> tuple[int, int]:
-    """Samples per rank and samples in all for ``loader``, checked against the rows gathered."""
-    sampler = _distributed_sampler(loader)
-    fix = "or call gather(tensor) without loader= to concatenate the rows in rank order"
-    if sampler is None:
-        raise ConfigurationError(
-            "gather(loader=...) needs a loader sharded by autoddp.prepare (or autoddp.data.shard_loader), "
-            f"and this one has no DistributedSampler; prepare it before iterating, {fix}"
-        )
-    if sampler is loader.batch_sampler:
-        raise ConfigurationError(
-            "gather(loader=...) cannot restore the sample order of a loader whose custom batch sampler "
-            f"was sharded batch by batch; {fix}"
-        )
-    if sampler.num_replicas != world_size:
-        raise ConfigurationError(
-            f"gather(loader=...) got a loader sharded for {sampler.num_replicas} processes in a world "
-            f"of {world_size}; shard it in this run with autoddp.prepare, {fix}"
-        )
-    total = len(sampler.dataset)
-    if sampler.total_size < total:
-        raise ConfigurationError(
-            f"gather(loader=...) got a loader whose sampler drops samples (drop_last=True keeps "
-            f"{sampler.total_size} of {total}); use drop_last=False for evaluation, {fix}"
-        )
-    if any(count != sampler.num_samples for count in rows):
-        raise ConfigurationError(
-            f"gather(loader=...) expects one row per sample of one full pass, {sampler.num_samples} "
-            f"on every rank, but got {list(rows)} rows per rank. Iterate the loader once to the end "
-            f"with drop_last=False (drop_last=True drops the last incomplete batch), {fix}"
-        )
-    return sampler.num_samples, total

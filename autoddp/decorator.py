@@ -7,13 +7,12 @@ import datetime
 import difflib
 import functools
 import inspect
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, overload
 
 import wrapt
 
-from autoddp import environment, hardware, launch, process_group
+from autoddp import _warn, environment, hardware, launch, process_group, streams
 from autoddp.errors import ConfigurationError
 from autoddp.preparation import prepare
 from autoddp.running import Job, run_in_world
@@ -43,8 +42,6 @@ class Options:
     log_dir: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.ranks, str):
-            raise ConfigurationError(f"ranks={self.ranks!r}: use '0', 'all' or local ranks such as '0,1'")
         self.nodes  # noqa: B018 - checks the multi-node options at decoration time
         if self.nproc is not None and (
             isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1
@@ -80,6 +77,7 @@ class Options:
             )
         if not isinstance(self.sync_batchnorm, bool):
             raise ConfigurationError(f"sync_batchnorm={self.sync_batchnorm!r} must be True or False")
+        self.output.shown(self.nproc or max(hardware.gpu_count(), 1))  # ranks=, log_dir= as well
 
     @classmethod
     def from_keywords(cls, options: Mapping[str, Any]) -> Options:
@@ -97,6 +95,10 @@ class Options:
     @property
     def nodes(self) -> launch.Nodes:
         return launch.plan(self.nnodes, self.node_rank, self.master)
+
+    @property
+    def output(self) -> launch.Output:
+        return launch.Output(self.ranks, self.log_dir)
 
     @property
     def run_options(self) -> RunOptions:
@@ -196,17 +198,16 @@ def _call(options: Options, wrapped: Callable[..., Any], instance: Any, args: tu
     if env.launched:
         world = env.world()
         if options.nproc is not None and options.nproc != world.local_world_size:
-            warnings.warn(
+            _warn.warn(
                 f"{getattr(wrapped, '__qualname__', wrapped)}() asks for nproc={options.nproc} but runs "
-                "inside "
-                f"an existing world ({env.name}, {world.world_size} processes): it runs in place there, "
-                "without starting new processes.",
-                UserWarning,
-                stacklevel=3,
+                f"inside an existing world ({env.name}, {world.world_size} processes): it runs in place "
+                "there, without starting new processes."
             )
         return run_in_world(job, world, finish=prepare)
     nproc = options.process_count(backend, gpus)
     plan = options.nodes
+    if plan.multi or nproc > 1:
+        job.streams = streams.of_caller()
     if plan.multi:
         return launch.launch_nodes(job, plan=plan, nproc=nproc, max_restarts=options.max_restarts)
     if nproc == 1:
@@ -216,5 +217,5 @@ def _call(options: Options, wrapped: Callable[..., Any], instance: Any, args: tu
         nproc=nproc,
         start_method=options.start_method,
         max_restarts=options.max_restarts,
-        output=launch.Output(options.ranks, options.log_dir),
+        output=options.output,
     )

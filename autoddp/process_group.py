@@ -46,6 +46,24 @@ def resolve_backend(requested: str | None, gpus: int) -> Backend:
     return Backend("cpu:gloo,cuda:nccl", use_cuda=True)
 
 
+def comm_device(preferred: torch.device) -> torch.device:
+    """``preferred`` if the default process group can communicate on it, else a device it can."""
+    import torch.distributed as dist
+
+    config = dist.get_backend_config()  # e.g. "cpu:gloo,cuda:gloo" or "cpu:gloo,cuda:nccl"
+    if ":" in config:
+        types = {pair.split(":")[0].strip() for pair in config.split(",")}
+    else:
+        types = {"cpu"} if "gloo" in config else {"cuda"}
+    if preferred.type in types:
+        return preferred
+    if "cpu" in types:
+        return torch.device("cpu")
+    if "cuda" in types and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(CURRENT.world.device if CURRENT.world is not None else "cpu")
+
+
 def _host_for_url(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 

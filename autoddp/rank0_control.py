@@ -22,40 +22,17 @@ import itertools
 import json
 import sys
 from collections.abc import Callable
-from types import FrameType, ModuleType, TracebackType
+from types import FrameType, TracebackType
 from typing import Any, TypeVar, overload
 
 import torch.distributed as dist
 
-from autoddp import _compat, _skip
-from autoddp.errors import CollectiveInRank0Error, ConfigurationError, Rank0Error
+from autoddp import _compat, _refusals, _skip
+from autoddp.errors import ConfigurationError, Rank0Error
 from autoddp.state import CURRENT
 from autoddp.world import current
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-# Collectives that hang when one rank calls them alone (the names torch.distributed defines).
-COLLECTIVES = (
-    "all_gather",
-    "all_gather_coalesced",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "all_reduce",
-    "all_reduce_coalesced",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "broadcast",
-    "broadcast_object_list",
-    "gather",
-    "gather_object",
-    "monitored_barrier",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "scatter",
-    "scatter_object_list",
-)
 
 _KEY_PREFIX = "autoddp/rank0/"
 _MAX_SITES = 4096
@@ -71,17 +48,16 @@ class _State:
     """Per-process bookkeeping of rank0 blocks: the only module state.
 
     ``sequence`` numbers the blocks that synchronise (every rank runs the same blocks in the
-    same order, so the numbers agree across ranks and name the store keys); ``depth`` counts
-    bodies running on this rank 0 and ``running`` names the outermost; ``sites`` caches the
-    source check per ``with`` site; ``refusals`` lists the collective stand-ins, made once.
+    same order, so the numbers agree across ranks and name the store keys); ``series`` numbers
+    the blocks of each named series apart from it (``save`` to one path); ``depth`` counts
+    bodies running on this rank 0; ``sites`` caches the source check per ``with`` site.
     """
 
     def __init__(self) -> None:
         self.sequence = itertools.count()
+        self.series: dict[str, int] = {}
         self.depth = 0
-        self.running = ""
         self.sites: dict[tuple[int, int], tuple[Any, str, str | None]] = {}
-        self.refusals: list[tuple[dict[str, Any], dict[str, Callable[..., Any]]]] = []
 
 
 _STATE = _State()
@@ -130,27 +106,34 @@ class Rank0Block:
             raise error
         return skipped
 
-    def _begin(self) -> None:
-        """Decide how this process runs the block; on rank 0 start refusing collectives."""
+    def _begin(self, series: str | None = None) -> None:
+        """Decide how this process runs the block; on rank 0 start refusing collectives.
+
+        Blocks are numbered in one sequence that every rank must pass alike; a ``series`` (one
+        checkpoint path, say) is numbered on its own, so rank 0 may also run it alone.
+        """
         world = current()
         if world.world_size == 1 or _STATE.depth:
             self._mode = _INLINE
             return
         self._store = _store(world.world_size)
-        self._key = f"{_KEY_PREFIX}{next(_STATE.sequence)}"
+        if series is None:
+            self._key = f"{_KEY_PREFIX}{next(_STATE.sequence)}"
+        else:
+            number = _STATE.series[series] = _STATE.series.get(series, -1) + 1
+            self._key = f"{_KEY_PREFIX}{series}/{number}"
         if world.rank != 0:
             self._mode = _SKIP
             return
         self._mode = _RUN
         _STATE.depth += 1
-        _STATE.running = self._where
-        self._saved = _refuse_collectives()
+        self._saved = _refusals.refuse(self._where)
 
     def _finish(self, exc: BaseException | None) -> None:
         """On rank 0: give the collectives back and publish whether the body raised."""
         if self._mode is not _RUN:
             return
-        _restore_collectives(self._saved)
+        _refusals.restore(self._saved)
         self._saved = []
         _STATE.depth -= 1
         if exc is None:
@@ -241,23 +224,33 @@ def decorate(fn: F, *, where: str | None = None) -> F:
 
     @functools.wraps(fn)
     def on_rank0(*args: Any, **kwargs: Any) -> Any:
-        block = Rank0Block()
-        block._where = where
-        block._begin()
-        if block._mode is _SKIP:
-            error = block._outcome_error()
-            if error is not None:
-                raise error
-            return None
-        try:
-            result = fn(*args, **kwargs)
-        except BaseException as exc:
-            block._finish(exc)
-            raise
-        block._finish(None)
-        return result
+        return run_on_rank0(fn, args, kwargs, where=where)
 
     return on_rank0  # type: ignore[return-value]
+
+
+def run_on_rank0(
+    fn: Callable[..., Any], args: tuple, kwargs: dict, *, where: str, series: str | None = None
+) -> Any:
+    """``fn(*args, **kwargs)`` on rank 0 only; the others wait for it (None there), as ``@rank0``.
+
+    With ``series`` the call is numbered in that series only (see ``Rank0Block._begin``).
+    """
+    block = Rank0Block()
+    block._where = where
+    block._begin(series)
+    if block._mode is _SKIP:
+        error = block._outcome_error()
+        if error is not None:
+            raise error
+        return None
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException as exc:
+        block._finish(exc)
+        raise
+    block._finish(None)
+    return result
 
 
 def _check_site(frame: FrameType) -> str:
@@ -331,58 +324,3 @@ def _describe(exc: BaseException) -> dict[str, str]:
     except Exception:
         message = "<the exception's message could not be turned into text>"
     return {"type": name, "message": message}
-
-
-def _refuse_collectives() -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """Put stand-ins that raise in place of the collectives; returns what to put back."""
-    if not _STATE.refusals:
-        _STATE.refusals = _make_refusals()
-    saved = []
-    for namespace, refusals in _STATE.refusals:
-        saved.append((namespace, {name: namespace.get(name) for name in refusals}))
-        namespace.update(refusals)  # one call per module: a block on rank 0 stays cheap
-    return saved
-
-
-def _restore_collectives(saved: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
-    for namespace, originals in saved:
-        namespace.update(originals)
-
-
-def _make_refusals() -> list[tuple[dict[str, Any], dict[str, Callable[..., Any]]]]:
-    """(module namespace, {name: stand-in}) for every collective a body can reach by attribute."""
-    _compat.ddp_buffer_broadcast()  # DDP's forward broadcasts buffers through it: refused too
-    modules: list[tuple[ModuleType, tuple[str, ...], str]] = [
-        (dist, (*COLLECTIVES, _compat.DDP_BUFFER_BROADCAST), "torch.distributed"),
-        (dist.distributed_c10d, COLLECTIVES, "torch.distributed"),
-    ]
-    for name in ("autoddp", "autoddp.world"):
-        module = sys.modules.get(name)
-        if module is not None:
-            modules.append((module, ("barrier",), "autoddp"))
-    return [
-        (
-            vars(module),
-            {name: _refusal(f"{label}.{name}") for name in names if vars(module).get(name) is not None},
-        )
-        for module, names, label in modules
-    ]
-
-
-def _refusal(qualified: str) -> Callable[..., Any]:
-    hint = ""
-    if qualified.endswith(f".{_compat.DDP_BUFFER_BROADCAST}"):
-        hint = (
-            " (a DistributedDataParallel model's forward with gradients on syncs its buffers this way: "
-            "inside the block, call the plain module, autoddp.unwrap(model), or run under torch.no_grad())"
-        )
-
-    def refusal(*args: Any, **kwargs: Any) -> Any:
-        raise CollectiveInRank0Error(
-            f"{qualified}() was called inside {_STATE.running}{hint}: only rank 0 runs that body, so "
-            "the other ranks never join this collective and it would hang. Move the call out of the "
-            "block, to where every rank makes it"
-        )
-
-    refusal.__name__ = refusal.__qualname__ = qualified.rsplit(".", 1)[1]
-    return refusal

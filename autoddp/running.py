@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from autoddp import _containers, models, process_group
+from autoddp import _containers, models, process_group, streams
 from autoddp.preparation import prepare
 from autoddp.state import CURRENT, RunOptions, World
 
@@ -30,6 +30,8 @@ class Job:
     backend: process_group.Backend
     timeout: datetime.timedelta | None
     options: RunOptions
+    #: The caller's random states, when workers are started for the call (see ``streams``).
+    streams: streams.Streams | None = None
 
     @property
     def fn_name(self) -> str:
@@ -44,6 +46,8 @@ def run_in_world(job: Job, world: World, finish: Callable[[Any], Any]) -> Any:
     """
     with process_group.joined(world, job.backend, job.timeout, job.options):
         previous, CURRENT.function = CURRENT.function, _where(job.fn)
+        if job.streams is not None:
+            CURRENT.seeds = (streams.seed_worker(job.streams, world.rank), job.streams.torch_initial_seed)
         try:
             args, kwargs = prepare(job.args), prepare(job.kwargs)
             result = job.fn(*args, **kwargs)
@@ -51,6 +55,7 @@ def run_in_world(job: Job, world: World, finish: Callable[[Any], Any]) -> Any:
             return finish(result)
         finally:
             CURRENT.function = previous
+            CURRENT.seeds = None
 
 
 def _where(fn: Callable[..., Any]) -> tuple[str, int] | None:

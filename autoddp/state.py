@@ -57,6 +57,8 @@ class Run:
         self.timeout: datetime.timedelta | None = None
         #: (file, first line) of the user's function being run, for warnings raised outside it.
         self.function: tuple[str, int] | None = None
+        #: (the torch seed autoddp gave this worker, the caller's torch seed), while it runs the call.
+        self.seeds: tuple[int, int] | None = None
         #: Models wrapped in each joined world, innermost last (weakly: a model may go).
         self._wrapped: list[weakref.WeakKeyDictionary[Any, Releasing]] = []
 

@@ -2,7 +2,10 @@
 
 Everything goes through one private run folder (mode 0700, files 0600, removed at the end),
 pickled with cloudpickle so functions defined in ``__main__``, closures and notebook cells
-travel by value.
+travel by value. The job and the result are written in torch's own format (``torch.save`` with
+that pickler), so tensors travel as raw storage bytes instead of through pickle (a 1 GiB tensor
+in seconds, not tens of seconds). Exceptions travel without calling their ``__init__`` again,
+so those whose constructor takes other arguments than their message come back as themselves.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ import tempfile
 import time
 import traceback
 import types
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO
 
 import cloudpickle
+import torch
 
 from autoddp.errors import RemoteError, RemoteTraceback, SerializationError
 
@@ -41,12 +45,20 @@ def run_folder() -> Iterator[str]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def write_private(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically, readable by this user only."""
+def write_private(path: str, data: bytes | Callable[[BinaryIO], None]) -> None:
+    """Write ``data`` (bytes, or a function writing to a file) to ``path`` atomically, for this user only."""
     partial = f"{path}.{os.getpid()}.partial"
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            if callable(data):
+                data(handle)
+            else:
+                handle.write(data)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+        raise
     os.replace(partial, path)
 
 
@@ -56,13 +68,45 @@ def _read(path: str) -> bytes:
 
 
 class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, but code sent by value keeps its file name, so worker tracebacks show source."""
+    """cloudpickle, but code sent by value keeps its file name (worker tracebacks show source), and
+    exceptions are rebuilt without calling their ``__init__`` (see ``_rebuild_exception``)."""
 
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is types.CodeType:
             rebuild, args = self.dispatch_table[types.CodeType](obj)[:2]
             return rebuild, tuple(obj.co_filename if arg == "<dynamic-code>" else arg for arg in args)
+        if isinstance(obj, BaseException) and _reduces_like_base_exception(type(obj)):
+            return _rebuild_exception, (type(obj), obj.args, dict(getattr(obj, "__dict__", {})))
         return super().reducer_override(obj)
+
+
+def _reduces_like_base_exception(cls: type) -> bool:
+    """True when ``cls`` pickles through BaseException's own reduction (type, args, __dict__)."""
+    return cls.__reduce_ex__ is BaseException.__reduce_ex__ and cls.__reduce__ is BaseException.__reduce__
+
+
+def _rebuild_exception(cls: type[BaseException], args: tuple, state: dict) -> BaseException:
+    """An instance of ``cls`` with ``args`` and attributes ``state``, its ``__init__`` not called.
+
+    Pickle would call ``cls(*args)``, which fails for ``class Diverged(Exception): def
+    __init__(self, step, loss)``, whose ``args`` hold only the message.
+    """
+    if isinstance(cls.__init__, types.WrapperDescriptorType):  # no __init__ of its own: call it
+        exc = cls(*args)  # (SystemExit sets .code, StopIteration .value there)
+    else:
+        try:
+            exc = BaseException.__new__(cls)
+        except TypeError:  # a base with its own layout and constructor
+            exc = cls.__new__(cls, *args)
+        exc.args = args
+    exc.__dict__.update(state)
+    return exc
+
+
+class _PickleModule:
+    """What ``torch.save`` takes as ``pickle_module``: autoddp's pickler."""
+
+    Pickler = _Pickler
 
 
 def dumps(obj: Any) -> bytes:
@@ -72,13 +116,24 @@ def dumps(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
+def _torch_dump(obj: Any, file: BinaryIO) -> None:
+    """``obj`` in torch's format (tensors as raw storage), pickled with autoddp's pickler."""
+    torch.save(obj, file, pickle_module=_PickleModule, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _torch_load(file: str | BinaryIO) -> Any:
+    return torch.load(file, weights_only=False)
+
+
 # --- the job -------------------------------------------------------------------------------
 
 
 def dumps_job(job: Any, fn: Any, args: tuple, kwargs: dict) -> bytes:
     """Pickle ``job`` by value; if that fails, name the function or argument at fault."""
     try:
-        return dumps(job)
+        buffer = io.BytesIO()
+        _torch_dump(job, buffer)
+        return buffer.getvalue()
     except Exception as exc:
         culprit = _find_unpicklable(fn, args, kwargs) or "the job"
         raise SerializationError(
@@ -108,30 +163,29 @@ def save_job(folder: str, payload: bytes) -> None:
 def load_job(folder: str) -> Any:
     """Load the job in a fresh worker, first giving it the caller's import path."""
     sys.path[:] = json.loads(_read(os.path.join(folder, _PATH)))
-    return pickle.loads(_read(os.path.join(folder, _PAYLOAD)))
+    return _torch_load(os.path.join(folder, _PAYLOAD))
 
 
 # --- rank 0's return value -----------------------------------------------------------------
 
 
 def save_result(folder: str, value: Any, fn_name: str) -> None:
-    """Pickle rank 0's (already portable) return value for the caller."""
+    """Write rank 0's (already portable) return value for the caller."""
     try:
-        data = dumps(value)
+        write_private(os.path.join(folder, _RESULT), lambda file: _torch_dump(value, file))
     except Exception as exc:
         raise SerializationError(
             f"the return value of {fn_name}() ({type(value).__name__}) cannot be sent back to the "
             f"caller ({type(exc).__name__}: {exc}); return something picklable, such as tensors, "
             "numbers or a state_dict"
         ) from exc
-    write_private(os.path.join(folder, _RESULT), data)
 
 
 def load_result(folder: str) -> Any:
     path = os.path.join(folder, _RESULT)
     if not os.path.exists(path):
         return None
-    return pickle.loads(_read(path))
+    return _torch_load(path)
 
 
 # --- errors --------------------------------------------------------------------------------
@@ -182,6 +236,8 @@ class ErrorReport:
             except Exception:
                 exc = None
         tag = f"rank {self.rank} of {world_size}"
+        if isinstance(exc, BaseException):
+            exc = _as_callers_class(exc)
         if not isinstance(exc, BaseException):
             return RemoteError(
                 f"[{tag}] {self.summary()}\n\n{self.traceback}", rank=self.rank, type_name=self.type_name
@@ -196,13 +252,50 @@ class ErrorReport:
         return exc
 
 
+def _as_callers_class(exc: BaseException) -> BaseException:
+    """``exc`` as an instance of the caller's own class of that name, for classes of ``__main__``.
+
+    A class defined in the caller's script or notebook travels by value, so the copy that comes
+    back is another class object and ``except TheirError:`` would not catch it.
+    """
+    cls = type(exc)
+    if cls.__module__ != "__main__":
+        return exc
+    theirs = sys.modules.get("__main__")
+    for part in cls.__qualname__.split("."):
+        theirs = getattr(theirs, part, None)
+    if theirs is cls or not isinstance(theirs, type) or not issubclass(theirs, BaseException):
+        return exc
+    if theirs.__name__ != cls.__name__:
+        return exc
+    return _rebuild_exception(theirs, exc.args, dict(getattr(exc, "__dict__", {})))
+
+
+class _ByReference(pickle.Pickler):
+    """Plain pickle (classes by reference, so the caller gets its own class), exceptions as above."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, BaseException) and _reduces_like_base_exception(type(obj)):
+            return _rebuild_exception, (type(obj), obj.args, dict(getattr(obj, "__dict__", {})))
+        return NotImplemented
+
+
+def _pickle_exception(exc: BaseException) -> bytes | None:
+    """``exc`` pickled so that it loads back as itself: by reference where it can, else by value."""
+    for pickler in (_ByReference, _Pickler):
+        try:
+            buffer = io.BytesIO()
+            pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(exc)
+            pickle.loads(buffer.getvalue())
+        except Exception:
+            continue
+        return buffer.getvalue()
+    return None
+
+
 def save_error(folder: str, rank: int, exc: BaseException) -> None:
     """Record ``exc`` for the caller (called in the worker, before it exits)."""
-    try:
-        pickled = dumps(exc)
-        pickle.loads(pickled)
-    except Exception:
-        pickled = None
+    pickled = _pickle_exception(exc)
     report = ErrorReport(
         rank=rank,
         time=time.time(),
@@ -214,12 +307,15 @@ def save_error(folder: str, rank: int, exc: BaseException) -> None:
     write_private(os.path.join(folder, f"error-{rank}.pkl"), pickle.dumps(report))
 
 
-_WORKER_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
+#: The worker's own frames, below the user's: the process set-up and the one call path.
+_WORKER_FILES = tuple(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), name) for name in ("_worker.py", "running.py")
+)
 
 
 def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
     """Drop the worker's own leading frames from a traceback: the user's frames remain."""
-    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename == _WORKER_FILE:
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename in _WORKER_FILES:
         tb = tb.tb_next
     return tb
 
@@ -228,7 +324,7 @@ def user_stack(stack: str) -> str:
     """A faulthandler dump (most recent call first) cut before the worker's own frames."""
     kept = []
     for line in stack.splitlines():
-        if _WORKER_FILE in line:
+        if any(name in line for name in _WORKER_FILES):
             break
         kept.append(line)
     return "\n".join(kept)

@@ -23,7 +23,8 @@ The contenders are small scripts in this folder:
   run by ``python``;
 - ``steady_state.py``: step time of ``autoddp.prepare``'d model and loader against hand-written
   DDP with a DistributedSampler, in the same processes;
-- ``call_overhead.py``: the decorator's cost per call with one process.
+- ``call_overhead.py``: the decorator's cost per call with one process;
+- ``result_transfer.py``: returning a large tensor from rank 0, against torch.save + torch.load.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ class Settings:
     import_repeats: int
     call_repeats: int
     call_count: int
+    transfer_mib: int = 0  # size of the tensor returned by the result-transfer rows (0: not measured)
+    transfer_repeats: int = 0
     step_control: bool = False  # also time DDP against itself (the A/A noise floor); doubles that part
 
 
@@ -84,10 +87,19 @@ FULL = Settings(
     import_repeats=10,
     call_repeats=9,
     call_count=5000,
+    transfer_mib=1024,
+    transfer_repeats=3,
     step_control=True,
 )
 QUICK = Settings(
-    launch_rounds=5, step_pairs=300, step_warmup_blocks=10, import_repeats=5, call_repeats=5, call_count=3000
+    launch_rounds=5,
+    step_pairs=300,
+    step_warmup_blocks=10,
+    import_repeats=5,
+    call_repeats=5,
+    call_count=3000,
+    transfer_mib=256,
+    transfer_repeats=2,
 )
 SELFTEST = Settings(
     launch_rounds=0, step_pairs=0, step_warmup_blocks=0, import_repeats=2, call_repeats=2, call_count=200
@@ -310,6 +322,13 @@ def measure_call_overhead(repeats: int, calls: int) -> dict[str, list[float]]:
     return last_json_line(out)
 
 
+def measure_result_transfer(mib: int, repeats: int) -> dict[str, Any]:
+    """Run ``result_transfer.py``: returning an N MiB tensor against torch.save + torch.load."""
+    command = [sys.executable, str(HERE / "result_transfer.py"), f"--mib={mib}", f"--repeats={repeats}"]
+    _, _, out = run_command(command, timeout=600)
+    return last_json_line(out)
+
+
 # --- the report -----------------------------------------------------------------------------
 
 
@@ -368,6 +387,7 @@ def summary(
     steps: dict[str, Any] | None,
     imports: dict[str, list[float]],
     calls: dict[str, list[float]],
+    transfer: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Fill the table and return the JSON summary (None for figures not measured)."""
     result: dict[str, Any] = {}
@@ -436,6 +456,13 @@ def summary(
     result["single_process_call_overhead_model_loader_us"] = round(
         statistics.median(calls["model_and_loader_us"]), 1
     )
+    if transfer:
+        table.section(f"Returning a {transfer['mib']} MiB tensor from rank 0 (decorator, 2 processes)")
+        table.row("autoddp, the transfer alone", transfer["transfer_s"], "s")
+        table.row("torch.save + torch.load of it", transfer["torch_save_load_s"], "s")
+        table.figures("ratio", None, transfer["ratio"], "x", 3)
+        result["result_transfer_ratio_vs_torch_save"] = round(transfer["ratio"], 3)
+        result["result_transfer_s_median"] = round(statistics.median(transfer["transfer_s"]), 2)
     return result
 
 
@@ -479,9 +506,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     progress("import and call overhead")
     imports = measure_import_overhead(settings.import_repeats)
     calls = measure_call_overhead(settings.call_repeats, settings.call_count)
+    transfer = None
+    if settings.transfer_mib:
+        progress(f"returning a {settings.transfer_mib} MiB tensor")
+        transfer = measure_result_transfer(settings.transfer_mib, settings.transfer_repeats)
 
     table = Table()
-    figures = summary(table, launch, steps, imports, calls)
+    figures = summary(table, launch, steps, imports, calls, transfer)
     mode_name = "selftest" if args.selftest else "quick" if args.quick else "full"
     print(f"autoddp benchmarks ({mode_name}): {machine['device']}, {machine['cpu_cores']} CPU cores,")
     print(f"  {machine['platform']}, Python {machine['python']}, torch {machine['torch']}")

@@ -98,7 +98,7 @@ def test_console_shows_rank0_by_default_and_the_others_are_logged(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert [line[:6] for line in proc.stdout.splitlines()] == ["rank=0"]
     logged = sorted(p.read_text().strip()[:6] for p in logs.rglob("stdout.log"))
-    assert logged == ["rank=1"]
+    assert logged == ["rank=0", "rank=1"]  # every rank is in the files, the shown one too
 
 
 def test_missing_script_is_a_one_line_usage_error(tmp_path):

@@ -24,7 +24,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 import autoddp
 from autoddp import ConfigurationError
-from autoddp.data import gather, shard_loader
+from autoddp.data import shard_loader
+from autoddp.gather import gather
 from autoddp.state import World
 from autoddp.world import current
 

@@ -11,15 +11,14 @@ from __future__ import annotations
 import os
 import sys
 import uuid
-import warnings
 from collections.abc import Callable
 from typing import Any
 
-from autoddp import _worker, hardware, transport
+from autoddp import _warn, _worker, hardware, transport
 from autoddp.environment import LOOPBACK
 from autoddp.errors import ConfigurationError, SerializationError
 from autoddp.launch.failures import first_failure
-from autoddp.launch.output import Output, one_line, say, show_hidden_output
+from autoddp.launch.output import Output, announce_exit, one_line, say, show_hidden_output
 from autoddp.launch.start_method import choose_start_method
 from autoddp.launch.store import loopback_store
 from autoddp.launch.supervise import POLL_SECONDS, supervise
@@ -69,11 +68,9 @@ def launch_function(
     method, reason = choose_start_method(start_method, job.backend)
     if method == "spawn" and start_method == "auto":
         # Shown once per process (warnings' default filter): the fallback needs no action.
-        warnings.warn(
+        _warn.warn(
             f"autoddp starts its workers as fresh interpreters (start_method='spawn') because {reason}; "
-            "the function and its arguments are sent to them by value.",
-            UserWarning,
-            stacklevel=4,
+            "the function and its arguments are sent to them by value."
         )
     if method == "spawn":  # pickle once, before anything starts: an unpicklable argument fails here
         payload = transport.dumps_job(job, job.fn, job.args, job.kwargs)
@@ -144,10 +141,11 @@ def _attempt(
             envs = worker_envs(nproc, port, uuid.uuid4().hex, attempt, folder)
             logs = output.logs_specs(folder, nproc)
             for env in envs.values():  # autoddp.print(all_ranks=True) must not prefix twice
-                env["AUTODDP_LINE_PREFIX"] = "1" if logs[1] else "0"
+                env["AUTODDP_LINE_PREFIX"] = "1" if output.prefixed else "0"
             context, result = supervise(entry, entry_args, envs, method, poll_seconds, logs)
         if result.is_failed():
             error = first_failure(context, result, folder, nproc)
             show_hidden_output(error, result, output.shown(nproc))
+            announce_exit(error, nproc)
             raise error
         return transport.load_result(folder)

@@ -18,7 +18,7 @@ from typing import Any
 
 from autoddp import hardware, transport
 from autoddp.errors import ConfigurationError, WorkerError
-from autoddp.launch.output import say
+from autoddp.launch.output import announce_exit, say
 from autoddp.launch.supervise import caller_signal_handlers_kept, elastic_logs_quiet
 from autoddp.running import Job
 
@@ -180,7 +180,9 @@ def launch_nodes(job: Job, *, plan: Nodes, nproc: int, max_restarts: int = 0) ->
             reports = transport.load_errors(folder)
             if reports:
                 report = min(reports.values(), key=lambda r: (r.is_consequence, r.time))
-                raise report.rebuild(nproc * plan.max_nodes) from None
+                lead = report.rebuild(nproc * plan.max_nodes)
+                announce_exit(lead, nproc * plan.max_nodes)
+                raise lead from None
             raise WorkerError(
                 describe_failure(error, nproc * plan.max_nodes),
                 rank=error.get_first_failure()[0],

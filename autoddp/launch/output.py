@@ -24,24 +24,45 @@ class Output:
     ranks: str = "0"
     log_dir: str | None = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.ranks, str):
+            raise ConfigurationError(f"ranks={self.ranks!r}: use '0', 'all' or local ranks such as '0,1'")
+        if self.log_dir is not None and not isinstance(self.log_dir, (str, os.PathLike)):
+            raise ConfigurationError(
+                f"log_dir={self.log_dir!r} is not a folder path; pass a path such as 'logs' (or None)"
+            )
+        if self.ranks != "all":
+            try:
+                shown = {int(r) for r in self.ranks.split(",")}
+            except ValueError:
+                raise ConfigurationError(
+                    f"ranks={self.ranks!r}: use '0', 'all' or comma-separated local ranks such as '0,1'"
+                ) from None
+            if not shown or min(shown) < 0:
+                raise ConfigurationError(f"ranks={self.ranks!r}: local ranks count from 0")
+
     def shown(self, nproc: int) -> set[int]:
+        """The local ranks whose output reaches the console in a run of ``nproc`` processes."""
         if self.ranks == "all":
             return set(range(nproc))
-        try:
-            shown = {int(r) for r in self.ranks.split(",")}
-        except ValueError:
+        shown = {int(r) for r in self.ranks.split(",")}
+        if not shown <= set(range(nproc)):
             raise ConfigurationError(
-                f"ranks={self.ranks!r}: use '0', 'all' or comma-separated local ranks such as '0,1'"
-            ) from None
-        if not shown or not shown <= set(range(nproc)):
-            raise ConfigurationError(f"ranks={self.ranks!r} names ranks outside 0..{nproc - 1}")
+                f"ranks={self.ranks!r} names ranks outside 0..{nproc - 1} (this run has {nproc} processes)"
+            )
         return shown
+
+    @property
+    def prefixed(self) -> bool:
+        """True when the launcher prefixes every line with ``[rank N]`` (``ranks="all"``)."""
+        return self.ranks == "all"
 
     def logs_specs(self, folder: str, nproc: int) -> tuple[Any, dict[int, str]]:
         """Elastic's log settings for a run.
 
         Shown ranks write straight to the console (a terminal stays a terminal: progress bars
-        redraw, colours stay); hidden ranks write to files. With ``"all"`` every rank goes
+        redraw, colours stay); hidden ranks write to files. With ``log_dir`` the shown ranks are
+        also kept in files (teed to the console line by line). With ``"all"`` every rank goes
         through a file so that its lines can be prefixed. When this process's stdout is not a
         real file (captured, redirected to a StringIO), forked workers could not redirect
         theirs: then everything passes through unfiltered.
@@ -51,10 +72,13 @@ class Output:
         shown = self.shown(nproc)
         if not real_stdio():
             return DefaultLogsSpecs(log_dir=os.devnull), {}
-        log_dir = self.log_dir or os.path.join(folder, "logs")
-        if self.ranks == "all":
+        log_dir = os.fspath(self.log_dir) if self.log_dir is not None else os.path.join(folder, "logs")
+        if self.prefixed:
             specs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL)
             return specs, {r: f"[rank {r}] " for r in range(nproc)}
+        if self.log_dir is not None:  # every rank in the files; the shown ones on the console too
+            tee = {r: (Std.ALL if r in shown else Std.NONE) for r in range(nproc)}
+            return DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=tee), {r: "" for r in shown}
         redirects = {r: (Std.NONE if r in shown else Std.ALL) for r in range(nproc)}
         return DefaultLogsSpecs(log_dir=log_dir, redirects=redirects), {}
 
@@ -83,6 +107,13 @@ def show_hidden_output(error: BaseException, result: Any, shown: set[int], lines
         say(f"last lines of rank {rank}'s output (the console shows rank(s) {console}):")
         sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in tail[-lines:]))
         sys.stderr.flush()
+
+
+def announce_exit(error: BaseException, world_size: int) -> None:
+    """One line when the failure is a rank calling ``sys.exit``: Python prints nothing for it."""
+    if isinstance(error, SystemExit):
+        rank = getattr(error, "autoddp_rank", "?")
+        say(f"rank {rank} of {world_size} called sys.exit({error.code!r}); exiting with it")
 
 
 def say(message: str) -> None:

@@ -72,8 +72,8 @@ class Replica:
         self.ddp_kwargs = dict(ddp_kwargs)
         self.signature: list[tuple[torch.nn.Parameter, torch.dtype, torch.device, bool]] = []
         self.registrations = -1
-        self.synced = False
         self.build(module)
+        self.synced = False  # weights may still change before the first forward (module docstring)
 
     def build(self, module: torch.nn.Module) -> None:
         """(Re)build the DDP for the module's parameters as they are now (a collective)."""
@@ -87,12 +87,12 @@ class Replica:
         device_ids = [device.index] if device.type == "cuda" else None
         ddp = torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
         object.__setattr__(module, _routing.DDP_ATTR, ddp)
-        self.synced = True  # DDP's constructor broadcast rank 0's parameters and buffers
 
     def for_call(self, module: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel | None:
         """The DDP to run a forward with gradients through, up to date with the module."""
         if self._changed(module):
             self.build(module)
+            self.synced = True  # DDP's constructor broadcast rank 0's parameters and buffers
         elif not self.synced:
             _broadcast_from_rank0(module)
             self.synced = True

@@ -1,0 +1,108 @@
+"""Collectives refused inside a ``rank0()`` body: only rank 0 runs it, so they could never complete.
+
+While a body runs on rank 0, the collectives of ``torch.distributed`` (and DDP's buffer
+broadcast, and ``autoddp.barrier``) are replaced in their modules' namespaces by stand-ins that
+raise ``CollectiveInRank0Error``; ``restore`` puts the originals back.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch.distributed as dist
+
+from autoddp import _compat
+from autoddp.errors import CollectiveInRank0Error
+
+# Collectives that hang when one rank calls them alone (the names torch.distributed defines).
+COLLECTIVES = (
+    "all_gather",
+    "all_gather_coalesced",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "monitored_barrier",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+)
+
+
+class _State:
+    """Which body runs now (for messages) and the stand-ins, made once."""
+
+    def __init__(self) -> None:
+        self.running = ""
+        self.refusals: list[tuple[dict[str, Any], dict[str, Callable[..., Any]]]] = []
+
+
+_STATE = _State()
+
+
+def refuse(where: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Put stand-ins that raise in place of the collectives while ``where`` runs; returns what to put back."""
+    _STATE.running = where
+    if not _STATE.refusals:
+        _STATE.refusals = _make_refusals()
+    saved = []
+    for namespace, refusals in _STATE.refusals:
+        saved.append((namespace, {name: namespace.get(name) for name in refusals}))
+        namespace.update(refusals)  # one call per module: a block on rank 0 stays cheap
+    return saved
+
+
+def restore(saved: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
+    for namespace, originals in saved:
+        namespace.update(originals)
+
+
+def _make_refusals() -> list[tuple[dict[str, Any], dict[str, Callable[..., Any]]]]:
+    """(module namespace, {name: stand-in}) for every collective a body can reach by attribute."""
+    _compat.ddp_buffer_broadcast()  # DDP's forward broadcasts buffers through it: refused too
+    modules: list[tuple[ModuleType, tuple[str, ...], str]] = [
+        (dist, (*COLLECTIVES, _compat.DDP_BUFFER_BROADCAST), "torch.distributed"),
+        (dist.distributed_c10d, COLLECTIVES, "torch.distributed"),
+    ]
+    for name in ("autoddp", "autoddp.world"):
+        module = sys.modules.get(name)
+        if module is not None:
+            modules.append((module, ("barrier",), "autoddp"))
+    return [
+        (
+            vars(module),
+            {name: _refusal(f"{label}.{name}") for name in names if vars(module).get(name) is not None},
+        )
+        for module, names, label in modules
+    ]
+
+
+def _refusal(qualified: str) -> Callable[..., Any]:
+    hint = ""
+    if qualified.endswith(f".{_compat.DDP_BUFFER_BROADCAST}"):
+        hint = (
+            " (a DistributedDataParallel model's forward with gradients on syncs its buffers this way: "
+            "inside the block, call the plain module, autoddp.unwrap(model), or run under torch.no_grad())"
+        )
+
+    def refusal(*args: Any, **kwargs: Any) -> Any:
+        raise CollectiveInRank0Error(
+            f"{qualified}() was called inside {_STATE.running}{hint}: only rank 0 runs that body, so "
+            "the other ranks never join this collective and it would hang. Move the call out of the "
+            "block, to where every rank makes it"
+        )
+
+    refusal.__name__ = refusal.__qualname__ = qualified.rsplit(".", 1)[1]
+    return refusal

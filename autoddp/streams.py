@@ -1,0 +1,66 @@
+"""Random streams: every worker draws its own numbers, derived from the caller's state and its rank.
+
+One rule under fork and fresh interpreters alike (forked workers would otherwise all inherit the
+caller's state and draw the same noise, dropout masks and augmentations; fresh interpreters
+would draw from the operating system's entropy): the caller's torch, Python ``random`` and, when
+it is loaded, NumPy states are each digested (without advancing them), and worker ``rank`` seeds
+each library with ``sha256(digest, rank)``. Ranks differ, as under torchrun, and a run repeats
+exactly when the caller seeded. A seed set inside the function applies as written. The
+DataLoader sampler's shared shuffle seed still comes from the caller's seed (see ``data``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import pickle
+import random
+import sys
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Streams:
+    """Digests of the caller's random states, and the seed the caller gave torch."""
+
+    torch_state: bytes
+    python_state: bytes
+    numpy_state: bytes | None
+    torch_initial_seed: int
+
+
+def of_caller() -> Streams:
+    """The caller's random states, digested (nothing is drawn from them)."""
+    numpy = sys.modules.get("numpy")
+    numpy_state = None
+    if numpy is not None:
+        numpy_state = _digest(pickle.dumps(numpy.random.get_state(), protocol=pickle.HIGHEST_PROTOCOL))
+    return Streams(
+        torch_state=_digest(torch.get_rng_state().numpy().tobytes()),
+        python_state=_digest(pickle.dumps(random.getstate(), protocol=pickle.HIGHEST_PROTOCOL)),
+        numpy_state=numpy_state,
+        torch_initial_seed=torch.initial_seed(),
+    )
+
+
+def seed_worker(streams: Streams, rank: int) -> int:
+    """Seed torch, ``random`` and NumPy for worker ``rank``; returns the torch seed it set."""
+    seed = derive(streams.torch_state, rank)
+    torch.manual_seed(seed)
+    random.seed(derive(streams.python_state, rank))
+    if streams.numpy_state is not None:
+        import numpy
+
+        numpy.random.seed(derive(streams.numpy_state, rank) % 2**32)
+    return seed
+
+
+def derive(digest: bytes, rank: int) -> int:
+    """Rank ``rank``'s seed from a digest: 63 bits of ``sha256(digest + rank)``."""
+    value = hashlib.sha256(digest + rank.to_bytes(8, "little")).digest()
+    return int.from_bytes(value[:8], "little") >> 1
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
