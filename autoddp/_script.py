@@ -1,9 +1,14 @@
-"""``python -m autoddp._script (PATH | --module NAME) ARGS...``: run a user script in a worker.
+"""``python -m autoddp._script [--no-capture] (PATH | --module NAME) ARGS...``: run a user script in a worker.
 
 Runs the script as ``python PATH ARGS`` / ``python -m NAME ARGS`` would (``sys.argv``,
 ``sys.path[0]``, ``__name__ == "__main__"``). A failure is written to torch.distributed.elastic's
 error file, so the ``autoddp`` command can name the failing rank without the user adding
 ``@record``, and its traceback is printed without this runner's own frames.
+
+In a world of several processes the script runs under ``autoddp.capture`` (unless
+``--no-capture``): this process is pinned to its GPU first, and the process group is made when
+capture first needs it and left after the script's last line. A script that makes its own group
+first (torchrun-style) is left alone.
 """
 
 from __future__ import annotations
@@ -12,10 +17,13 @@ import os
 import runpy
 import sys
 import types
+from typing import Any
 
+import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from autoddp import _worker, transport
+from autoddp import _worker, capture, environment, hardware, process_group, transport
+from autoddp.state import RunOptions, World
 
 
 def _run(argv: list[str]) -> None:
@@ -42,10 +50,59 @@ def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
     return tb
 
 
+class _ScriptWorld:
+    """The process group of a plain script: made when capture first needs it, left at the end."""
+
+    def __init__(self, world: World, backend: process_group.Backend) -> None:
+        self.world, self.backend = world, backend
+        self._joined: Any = None
+
+    def join(self) -> World:
+        self._joined = process_group.joined(self.world, self.backend)
+        return self._joined.__enter__()
+
+    def leave(self, error: BaseException | None) -> None:
+        if self._joined is not None:
+            joined, self._joined = self._joined, None
+            joined.__exit__(type(error) if error is not None else None, error, None)
+
+
+def _start_capture(capture_on: bool) -> tuple[capture.Session | None, _ScriptWorld | None]:
+    """Pin this process's GPU and install capture, in a world of several processes with capture on."""
+    world = environment.detect().world()
+    if world.world_size <= 1 or not capture_on:
+        return None, None
+    backend = process_group.resolve_backend(None, hardware.gpu_count())
+    if backend.use_cuda and world.device.startswith("cuda:"):
+        torch.cuda.set_device(int(world.device.split(":")[1]))  # before the script touches CUDA
+    script_world = _ScriptWorld(world, backend)
+    session = capture.Session(RunOptions(), join=script_world.join)
+    session.install()
+    return session, script_world
+
+
+def _run_captured(argv: list[str]) -> None:
+    """Run the script, under capture unless ``argv`` starts with ``--no-capture``."""
+    capture_on = argv[:1] != ["--no-capture"]
+    argv = argv if capture_on else argv[1:]
+    session, script_world = _start_capture(capture_on)
+    error: BaseException | None = None
+    try:
+        _run(argv)
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        if session is not None:
+            session.uninstall()
+        if script_world is not None:
+            script_world.leave(error)
+
+
 def main() -> None:
     _worker.die_with_parent()
     try:
-        _run(sys.argv[1:])
+        _run_captured(sys.argv[1:])
     except SystemExit as exc:
         folder = os.environ.get("AUTODDP_RUN_FOLDER")
         if folder and exc.code not in (None, 0):  # the launcher names the rank and the code

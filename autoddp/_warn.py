@@ -33,7 +33,8 @@ _CALL_PATH = _HERE + "running.py"
 _REGISTRY: dict = {}
 
 
-def _ours(filename: str) -> bool:
+def is_library(filename: str) -> bool:
+    """True for code of autoddp, torch, wrapt or the standard helpers: never the user's line."""
     path = os.path.abspath(filename) if not filename.startswith("<") else filename
     return path.startswith(_SKIPPED[:4]) or _SKIPPED[4] in path
 
@@ -42,7 +43,7 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """Issue ``message`` attributed to the user's line (see the module docstring)."""
     frame = sys._getframe(1)
     level = 2  # 1 would be this function's own call of warnings.warn
-    while frame is not None and _ours(frame.f_code.co_filename):
+    while frame is not None and is_library(frame.f_code.co_filename):
         if frame.f_code.co_filename == _CALL_PATH:  # below it: the worker's machinery, not user code
             frame = None
             break

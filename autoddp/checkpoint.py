@@ -20,7 +20,8 @@ import contextlib
 import errno
 import os
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, BinaryIO
 
 import torch
 
@@ -72,7 +73,15 @@ def load(path: str | os.PathLike[str], default: Any = _MISSING, *, weights_only:
 
 
 def _write(state: Any, path: str) -> None:
-    """Rank 0's part of ``save``: temporary file, fsync, atomic rename, fsync of the folder."""
+    """Rank 0's part of ``save``."""
+    atomic_write(path, lambda file: torch.save(state, file))
+
+
+def atomic_write(path: str, write: Callable[[BinaryIO], None]) -> None:
+    """Have ``write`` fill a temporary file next to ``path``, fsync it, rename it over ``path``.
+
+    A crash at any moment leaves either the previous file or the new one, never a torn one.
+    """
     folder, name = os.path.split(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise FileNotFoundError(
@@ -86,7 +95,7 @@ def _write(state: Any, path: str) -> None:
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
     try:
         with os.fdopen(fd, "wb") as file:
-            torch.save(state, file)
+            write(file)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)

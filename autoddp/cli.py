@@ -165,6 +165,12 @@ def _check_target(target: str | None, as_module: bool) -> None:
 @click.option(
     "--rdzv-id", "--rdzv_id", "rdzv_id", default=None, help="Job id shared by all nodes.  [default: autoddp]"
 )
+@click.option(
+    "--capture/--no-capture",
+    default=True,
+    show_default=True,
+    help="Distribute the models, shuffled loaders and torch.save calls a plain script makes.",
+)
 @click.argument("script", required=False, metavar="SCRIPT")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="[ARGS]...")
 @click.version_option(package_name="autoddp", prog_name="autoddp")
@@ -184,15 +190,20 @@ def main(
     rdzv_endpoint: str | None,
     rdzv_backend: str | None,
     rdzv_id: str | None,
+    capture: bool,
     script: str | None,
     script_args: tuple[str, ...],
 ) -> None:
     """Run SCRIPT once per device, each process ready for torch.distributed.
 
-    Every process gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and a free
-    MASTER_PORT as torchrun sets them; ARGS reach the script untouched. Functions decorated
-    with @autoddp.distributed run in place in each process. A failing process stops all of
-    them and the command exits non-zero with that process's traceback.
+    An unmodified single-GPU script becomes distributed: the model its optimizer trains is
+    wrapped in DDP, its shuffled DataLoaders are sharded (ordered ones, for evaluation, stay
+    whole) and torch.save to a path is written once, by rank 0 (--no-capture turns this off).
+    A torchrun-style script that sets up torch.distributed itself is left alone: every process
+    gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and a free MASTER_PORT as
+    torchrun sets them; ARGS reach the script untouched. Functions decorated with
+    @autoddp.distributed run in place in each process. A failing process stops all of them and
+    the command exits non-zero with that process's traceback.
 
     `autoddp env` prints a report to paste into a bug report: versions, GPUs, the detected
     launcher and why, and what autoddp would do here.
@@ -212,7 +223,12 @@ def main(
         plan = launch.plan(nnodes, node_rank, master, rdzv_endpoint, rdzv_backend, rdzv_id)
     except ConfigurationError as error:
         _fail(str(error))
-    argv = [*(["--module"] if as_module else []), script, *script_args]
+    argv = [
+        *([] if capture else ["--no-capture"]),
+        *(["--module"] if as_module else []),
+        script,
+        *script_args,
+    ]
     if plan.multi:
         sys.exit(_launch_nodes(plan, count, argv, max_restarts, monitor_interval))
     output = launch.Output(ranks, log_dir)

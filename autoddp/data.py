@@ -33,7 +33,7 @@ from autoddp.state import CURRENT, World
 _SEED_RANGE = 2**62
 
 
-def shard_loader(loader: DataLoader, world: World) -> DataLoader:
+def shard_loader(loader: DataLoader, world: World, *, seed: int | None = None) -> DataLoader:
     """Return ``loader`` giving this process a disjoint share of each epoch (unchanged with one process).
 
     Every constructor setting, the loader's class and (when it has not been iterated with
@@ -41,6 +41,7 @@ def shard_loader(loader: DataLoader, world: World) -> DataLoader:
     per process, so the global batch is ``batch_size * world_size``. Epochs advance by themselves,
     the shuffle seed comes from the loader's ``generator`` or ``torch.manual_seed``, and every rank
     gets the same number of batches (the last samples are padded with repeats from the start).
+    ``seed``: the shuffle seed all ranks agreed on already (else rank 0's is broadcast).
     """
     if world.world_size <= 1:
         return loader
@@ -77,7 +78,8 @@ def shard_loader(loader: DataLoader, world: World) -> DataLoader:
         source = batch_sampler.sampler
     else:
         source = loader.sampler
-    seed = _shared_seed(_user_seed(loader, source), world)
+    if seed is None:
+        seed = _shared_seed(_user_seed(loader, source), world)
 
     if user_batches and not plain_batches:
         new_sampler = loader.sampler
@@ -177,6 +179,14 @@ def _distribute(sampler: Any, world: World, seed: int) -> DistributedSampler:
             "process's share (autoddp leaves those as they are)"
         ) from error
     return ShardedSampler(sampler, world=world, seed=seed)
+
+
+def user_seed(loader: DataLoader) -> int:
+    """The shuffle seed the user chose for ``loader`` (see ``_user_seed``)."""
+    batch_sampler = loader.batch_sampler
+    if loader.batch_size is None and batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        return _user_seed(loader, batch_sampler)
+    return _user_seed(loader, batch_sampler.sampler if batch_sampler is not None else loader.sampler)
 
 
 def _user_seed(loader: DataLoader, sampler: Any) -> int:

@@ -40,6 +40,7 @@ class Options:
     master: str | None = None
     ranks: str = "0"
     log_dir: str | None = None
+    capture: bool = True
 
     def __post_init__(self) -> None:
         self.nodes  # noqa: B018 - checks the multi-node options at decoration time
@@ -75,8 +76,9 @@ class Options:
             raise ConfigurationError(
                 f"max_restarts={self.max_restarts!r} must be a whole number >= 0 (restarts after a failure)"
             )
-        if not isinstance(self.sync_batchnorm, bool):
-            raise ConfigurationError(f"sync_batchnorm={self.sync_batchnorm!r} must be True or False")
+        for name in ("sync_batchnorm", "capture"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigurationError(f"{name}={getattr(self, name)!r} must be True or False")
         self.output.shown(self.nproc or max(hardware.gpu_count(), 1))  # ranks=, log_dir= as well
 
     @classmethod
@@ -102,7 +104,9 @@ class Options:
 
     @property
     def run_options(self) -> RunOptions:
-        return RunOptions(ddp_kwargs=dict(self.ddp or {}), sync_batchnorm=self.sync_batchnorm)
+        return RunOptions(
+            ddp_kwargs=dict(self.ddp or {}), sync_batchnorm=self.sync_batchnorm, capture=self.capture
+        )
 
     def process_count(self, backend: process_group.Backend, gpus: int) -> int:
         if self.nproc is None:
@@ -156,7 +160,10 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     Models and DataLoaders among the arguments are prepared (see ``autoddp.prepare``): models
     are moved to the process's device and wrapped in DDP (``ddp=`` passes keyword arguments
     to DistributedDataParallel; ``sync_batchnorm=True`` converts BatchNorm to SyncBatchNorm),
-    loaders get a DistributedSampler whose epoch advances by itself.
+    loaders get a DistributedSampler whose epoch advances by itself. Those the function makes
+    itself are found too (``capture``, on by default): a model when an optimizer is made over
+    it, a shuffled loader when it is first iterated, ``torch.save`` to a path written once by
+    rank 0. ``capture=False`` leaves them alone.
     """
     checked = Options.from_keywords(options)
     if fn is None:

@@ -3,7 +3,8 @@
 ``run_in_world`` joins the world's process group, prepares the arguments, calls the function
 and finishes its result while still inside the world (``prepare`` for a caller in the same
 process, ``portable`` for a result that travels back to the caller); then the group is left.
-The decorator's in-place path, its one-process path and every worker go through it.
+The decorator's in-place path, its one-process path and every worker go through it; in a world
+of several processes the call runs under ``autoddp.capture`` (unless the run turned it off).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from autoddp import _containers, models, process_group, streams
+from autoddp import _containers, capture, models, process_group, streams
 from autoddp.preparation import prepare
 from autoddp.state import CURRENT, RunOptions, World
 
@@ -50,7 +51,8 @@ def run_in_world(job: Job, world: World, finish: Callable[[Any], Any]) -> Any:
             CURRENT.seeds = (streams.seed_worker(job.streams, world.rank), job.streams.torch_initial_seed)
         try:
             args, kwargs = prepare(job.args), prepare(job.kwargs)
-            result = job.fn(*args, **kwargs)
+            with capture.capturing(job.options, CURRENT.world or world):
+                result = job.fn(*args, **kwargs)
             del args, kwargs
             return finish(result)
         finally:

@@ -39,6 +39,8 @@ class RunOptions:
     strategy: str = "ddp"
     ddp_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     sync_batchnorm: bool = False
+    #: Find models, loaders and saves in the user's code by themselves (``autoddp.capture``).
+    capture: bool = True
 
 
 class Releasing(Protocol):
@@ -59,6 +61,8 @@ class Run:
         self.function: tuple[str, int] | None = None
         #: (the torch seed autoddp gave this worker, the caller's torch seed), while it runs the call.
         self.seeds: tuple[int, int] | None = None
+        #: The capture session while the user's code runs with capture on (``autoddp.capture``).
+        self.capture: Any = None
         #: Models wrapped in each joined world, innermost last (weakly: a model may go).
         self._wrapped: list[weakref.WeakKeyDictionary[Any, Releasing]] = []
 

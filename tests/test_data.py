@@ -291,7 +291,7 @@ def test_every_setting_survives_and_persistent_workers_iterate_two_epochs():
     assert orders[0] != orders[1]
 
 
-@autoddp.distributed(nproc=2)
+@autoddp.distributed(nproc=2, capture=False)  # prepare's own rules: capture would shard at list(loader)
 def _rebuilt_after_persistent_iteration():
     out = {}
     loader = Same(

@@ -37,11 +37,19 @@ def strategy_of(model: Any) -> Strategy:
     return getattr(type(model), "_autoddp_strategy", PLAIN)
 
 
-def wrap(module: torch.nn.Module, world: World, options: RunOptions) -> torch.nn.Module:
+def wrap(module: torch.nn.Module, world: World, options: RunOptions, *, move: bool = True) -> torch.nn.Module:
     """``module`` ready for ``world`` with the run's strategy (a model already wrapped is kept)."""
     if isinstance(module, torch.nn.parallel.DistributedDataParallel):
         return module
-    return strategy_named(options.strategy).wrap(module, world, options)
+    return strategy_named(options.strategy).wrap(module, world, options, move=move)
+
+
+def distributed(model: torch.nn.Module) -> bool:
+    """True for a model already distributed in this world (by autoddp, or a DDP object)."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return True
+    inner = unwrap(model)
+    return strategy_of(inner).distributed(inner)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -75,3 +83,16 @@ def portable(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` plain on the CPU, fit to travel to another process (every rank calls it)."""
     model = unwrap(model)
     return strategy_of(model).portable(model)
+
+
+def ddp_in_charge(model: torch.nn.Module) -> bool:
+    """True when autoddp's own DDP synchronises ``model`` now."""
+    from autoddp.models.ddp import ddp_of
+
+    return ddp_of(unwrap(model)) is not None
+
+
+def release(model: torch.nn.Module) -> None:
+    """Undo what autoddp's strategy did to ``model`` (it is the user's plain module again)."""
+    model = unwrap(model)
+    strategy_of(model).release(model)

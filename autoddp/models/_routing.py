@@ -145,6 +145,33 @@ def swapped_class(cls: type, strategy: Any) -> type:
     return types.new_class(cls.__name__, (cls,), exec_body=lambda ns: ns.update(namespace))
 
 
+def _call_inner(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return self._orig_mod(*args, **kwargs)
+
+
+@functools.cache
+def _redirected_class(cls: type) -> type:
+    namespace = {
+        "__call__": _call_inner,
+        "__reduce_ex__": _reduce_ex,
+        "_autoddp_plain_class": cls,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+    }
+    return types.new_class(cls.__name__, (cls,), exec_body=lambda ns: ns.update(namespace))
+
+
+def redirect_compiled(compiled: torch.nn.Module) -> None:
+    """Have calls of a ``torch.compile`` result go to its (wrapped, compiled-in-place) module.
+
+    Its own ``forward`` was bound to the module's original ``__call__`` when it was made, which
+    would bypass the swapped class; code that kept the compiled object calls through it.
+    """
+    if "_autoddp_plain_class" not in type(compiled).__dict__:
+        compiled.__class__ = _redirected_class(type(compiled))
+
+
 def swap(module: torch.nn.Module, strategy: Any) -> None:
     """Give ``module`` its swapped class (idempotent)."""
     if "_autoddp_plain_class" not in type(module).__dict__:

@@ -134,12 +134,14 @@ def wrap_model(
     *,
     ddp_kwargs: Mapping[str, Any] | None = None,
     sync_batchnorm: bool = False,
+    move: bool = True,
 ) -> torch.nn.Module:
     """Return ``module`` on this process's device, its gradients synchronised across the world.
 
     With one process the module is moved and given the swapped class only (``no_sync`` is then
     a no-op). A model that is already wrapped (by autoddp or in a DistributedDataParallel) is
-    returned unchanged.
+    returned unchanged. ``move=False`` (capture) leaves the module where the user put it, and
+    refuses one that sits on another process's GPU.
     """
     if isinstance(module, torch.nn.parallel.DistributedDataParallel):
         return module
@@ -149,6 +151,7 @@ def wrap_model(
     if compiled is not None:  # torch.compile(model): wrap the real module, keep its compilation
         inner, dynamo_ctx = compiled
         _compat.compile_in_place(inner, dynamo_ctx)
+        _routing.redirect_compiled(module)
         module = inner
     distributed = world.world_size > 1
     if distributed and sync_batchnorm:
@@ -158,8 +161,10 @@ def wrap_model(
                 "Leave it off for CPU (gloo) runs."
             )
         module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
-    if not _on_device(module, world.device):
+    if move and not _on_device(module, world.device):
         module = module.to(world.device)
+    elif not move:
+        _check_own_gpu(module, world)
     _routing.swap(module, DDP)
     CURRENT.track(module, DDP)
     if not distributed:
@@ -169,6 +174,19 @@ def wrap_model(
     _REGISTRATIONS.install()
     object.__setattr__(module, _routing.REPLICA_ATTR, Replica(module, ddp_kwargs or {}))
     return module
+
+
+def _check_own_gpu(module: torch.nn.Module, world: World) -> None:
+    """A module on a GPU other than this process's own cannot be trained here: say how to fix it."""
+    own = torch.device(world.device)
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.device.type == "cuda" and (own.type != "cuda" or tensor.device.index != own.index):
+            raise ConfigurationError(
+                f"{type(module).__name__} sits on {tensor.device}, but this process (rank {world.rank}) "
+                f"computes on {world.device}: every process has its own GPU. Move the model with "
+                "device='cuda' or autoddp.device() (which mean this process's GPU) instead of a "
+                "fixed index, or turn capture off (@distributed(capture=False), autoddp --no-capture)"
+            )
 
 
 def _batchnorm_hint(name: str, device: str) -> str:
@@ -212,8 +230,15 @@ class DDPStrategy(Strategy):
 
     name = "ddp"
 
-    def wrap(self, module: torch.nn.Module, world: World, options: RunOptions) -> torch.nn.Module:
-        return wrap_model(module, world, ddp_kwargs=options.ddp_kwargs, sync_batchnorm=options.sync_batchnorm)
+    def wrap(
+        self, module: torch.nn.Module, world: World, options: RunOptions, *, move: bool = True
+    ) -> torch.nn.Module:
+        return wrap_model(
+            module, world, ddp_kwargs=options.ddp_kwargs, sync_batchnorm=options.sync_batchnorm, move=move
+        )
+
+    def distributed(self, model: torch.nn.Module) -> bool:
+        return _routing.REPLICA_ATTR in model.__dict__
 
     def release(self, model: torch.nn.Module) -> None:
         release(model)

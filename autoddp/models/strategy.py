@@ -21,9 +21,16 @@ class Strategy:
 
     name: ClassVar[str] = "none"
 
-    def wrap(self, module: torch.nn.Module, world: World, options: RunOptions) -> torch.nn.Module:
-        """``module`` on this process's device, distributed across ``world`` (the same object if it can)."""
+    def wrap(
+        self, module: torch.nn.Module, world: World, options: RunOptions, *, move: bool = True
+    ) -> torch.nn.Module:
+        """``module`` distributed across ``world`` (the same object if it can), moved to this
+        process's device unless ``move`` is False."""
         raise NotImplementedError
+
+    def distributed(self, model: torch.nn.Module) -> bool:
+        """True when this strategy already distributes ``model`` in the current world."""
+        return False
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's own module behind what ``wrap`` did."""

@@ -1,0 +1,33 @@
+"""Loaders sharded when iterated: a random loader gets its share per rank, an ordered one stays whole.
+
+A DataLoader whose order is random (``shuffle=True``, any sampler but the sequential one, a custom
+batch sampler) is sharded on its first iteration exactly as ``autoddp.prepare`` shards it. A
+sequential loader (``shuffle=False``: the usual evaluation loader) is left whole, so metrics
+computed by plain code equal the single-process ones (every rank evaluates everything).
+"""
+
+from __future__ import annotations
+
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
+
+from autoddp.data import distributed_sampler
+
+
+def kind(loader: DataLoader) -> str:
+    """``"random"`` (shard it), ``"ordered"``, ``"iterable"`` or ``"distributed"`` (leave it whole)."""
+    if isinstance(loader.dataset, IterableDataset):
+        return "iterable"
+    if distributed_sampler(loader) is not None:
+        return "distributed"
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        return "random"  # a custom batch sampler: shared out by whole batches
+    sampler = batch_sampler.sampler if batch_sampler is not None else loader.sampler
+    return "ordered" if type(sampler) is SequentialSampler else "random"
+
+
+REASONS = {
+    "ordered": "in order (shuffle=False, e.g. evaluation): every rank sees all of it",
+    "iterable": "an IterableDataset takes no sampler: shard inside its __iter__ with autoddp.rank()",
+    "distributed": "it already has a DistributedSampler",
+}

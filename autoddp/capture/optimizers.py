@@ -1,0 +1,120 @@
+"""Models found through their optimizers: the root modules owning an optimizer's parameters.
+
+When an optimizer is constructed (``torch.optim.Optimizer.__init__``, which every optimizer calls)
+the parameters it is given are traced to the modules that own them and up to their root
+(``Registry``, else the user's frames); each root not yet distributed is wrapped as
+``autoddp.prepare`` wraps it, but where it is (nothing is moved), before the optimizer stores the
+parameters. A strategy that replaces parameters (sharding) gets the optimizer bound to the new ones.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from autoddp.capture._registry import Registry, frame_candidates
+
+#: Containers that cannot be called: a model held in one is the model, not the container.
+_UNCALLABLE = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.ParameterList, torch.nn.ParameterDict)
+
+
+def materialize(params: Any) -> list[Any]:
+    """The optimizer's ``params`` argument as a list (generators are read once, groups copied)."""
+    items = list(params) if not isinstance(params, torch.Tensor) else [params]
+    return [dict(item, params=_as_list(item["params"])) if isinstance(item, dict) else item for item in items]
+
+
+def _as_list(params: Any) -> list[Any]:
+    return [params] if isinstance(params, torch.Tensor) else list(params)
+
+
+def tensors_of(items: list[Any]) -> list[torch.Tensor]:
+    """Every parameter in a materialized ``params`` argument (plain, named, or in groups)."""
+    found: list[torch.Tensor] = []
+    for item in items:
+        for entry in item["params"] if isinstance(item, dict) else [item]:
+            tensor = entry[1] if isinstance(entry, tuple) else entry
+            if isinstance(tensor, torch.Tensor):
+                found.append(tensor)
+    return found
+
+
+def roots(params: list[torch.Tensor], registry: Registry) -> tuple[list[torch.nn.Module], list[torch.Tensor]]:
+    """The root modules owning ``params`` (each once, in order) and the parameters no module owns."""
+    found: dict[int, torch.nn.Module] = {}
+    orphans: list[torch.Tensor] = []
+    unknown: list[torch.Tensor] = []
+    for param in params:
+        owner = registry.owner(param)
+        if owner is None:
+            unknown.append(param)
+            continue
+        root = _climb(owner, registry)
+        found.setdefault(id(root), root)
+    if unknown:
+        index = _frame_index(sys._getframe(1))
+        for param in unknown:
+            root = index.get(id(param))
+            if root is None:
+                orphans.append(param)
+            else:
+                found.setdefault(id(root), root)
+    return list(found.values()), orphans
+
+
+def _climb(module: torch.nn.Module, registry: Registry) -> torch.nn.Module:
+    path = [module]
+    while (parent := registry.parent(path[-1])) is not None:
+        path.append(parent)
+    for candidate in reversed(path):  # the outermost callable module on the way up
+        if not isinstance(candidate, _UNCALLABLE):
+            return candidate
+    return module
+
+
+def _frame_index(frame: Any) -> dict[int, torch.nn.Module]:
+    """Parameter id -> the outermost module holding it, among modules the user's frames reach."""
+    candidates = list(frame_candidates(frame))
+    inner = {id(sub) for module in candidates for sub in module.modules() if sub is not module}
+    index: dict[int, torch.nn.Module] = {}
+    for module in candidates:
+        if id(module) in inner or isinstance(module, _UNCALLABLE):
+            continue
+        for param in module.parameters():
+            index.setdefault(id(param), module)
+    return index
+
+
+def rebind(items: list[Any], mapping: dict[int, torch.Tensor]) -> list[Any]:
+    """``items`` with each parameter replaced by ``mapping[id(param)]`` where a strategy replaced it."""
+    if not mapping:
+        return items
+
+    def swap(entry: Any) -> Any:
+        if isinstance(entry, tuple):
+            return (entry[0], mapping.get(id(entry[1]), entry[1]))
+        return mapping.get(id(entry), entry)
+
+    return [
+        dict(item, params=[swap(e) for e in item["params"]]) if isinstance(item, dict) else swap(item)
+        for item in items
+    ]
+
+
+def replaced_parameters(
+    roots_: Iterable[torch.nn.Module], wrap: Callable[[torch.nn.Module], torch.nn.Module]
+) -> dict[int, torch.Tensor]:
+    """Wrap each root; id(old parameter) -> new parameter for those the wrapping replaced."""
+    mapping: dict[int, torch.Tensor] = {}
+    for root in roots_:
+        before = list(root.named_parameters())
+        wrapped = wrap(root)
+        after = dict(wrapped.named_parameters())
+        for name, old in before:
+            new = after.get(name)
+            if new is not None and new is not old:
+                mapping[id(old)] = new
+    return mapping
