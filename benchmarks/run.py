@@ -296,6 +296,21 @@ def measure_step_time(nproc: int, pairs: int, warmup_blocks: int, control: bool)
     return last_json_line(out)
 
 
+def measure_capture_cost(nproc: int, pairs: int, warmup_blocks: int) -> dict[str, Any]:
+    """Run ``steady_state.py --capture``: captured plain code against ``prepare`` (medium model)."""
+    command = [
+        sys.executable,
+        str(HERE / "steady_state.py"),
+        "--capture",
+        "--sizes=medium",
+        f"--pairs={pairs}",
+        f"--warmup-blocks={warmup_blocks}",
+        f"--nproc={nproc}",
+    ]
+    _, _, out = run_command(command, timeout=120 + 2 * pairs)
+    return last_json_line(out)["medium"]
+
+
 # --- import and single-process call overhead ------------------------------------------------
 
 IMPORT_PROBE = (
@@ -388,6 +403,7 @@ def summary(
     imports: dict[str, list[float]],
     calls: dict[str, list[float]],
     transfer: dict[str, Any] | None = None,
+    capture: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Fill the table and return the JSON summary (None for figures not measured)."""
     result: dict[str, Any] = {}
@@ -445,6 +461,20 @@ def summary(
                 label = f"{size:6}  A/A control: DDP against itself (noise floor)"
                 table.figures(label, None, control["ratio"], f"x  (95% CI {interval})", 3)
                 result[f"step_time_ratio_{size}_control"] = round(control["ratio"], 3)
+    if capture:
+        wall = capture["wall"]
+        table.section("Capture's cost on the step: captured plain code vs prepare (medium model)")
+        table.figures("captured", wall["autoddp_ms_min"], wall["autoddp_ms_median"], "ms/step", 3)
+        table.figures("prepare", wall["ddp_ms_min"], wall["ddp_ms_median"], "ms/step", 3)
+        interval = f"{wall['ratio_ci_low']:.3f}-{wall['ratio_ci_high']:.3f}"
+        table.figures(
+            f"ratio, median of {capture['pairs']} pairs", None, wall["ratio"], f"x  (95% CI {interval})", 3
+        )
+        result["capture_step_time_ratio_vs_prepare"] = round(wall["ratio"], 3)
+        result["capture_step_time_ratio_vs_prepare_ci95"] = [
+            round(wall["ratio_ci_low"], 3),
+            round(wall["ratio_ci_high"], 3),
+        ]
     table.section(f"Import and call overhead ({len(imports['autoddp_ms'])} fresh interpreters)")
     table.row("import torch", imports["torch_ms"], "ms", 1)
     table.row("import autoddp, after torch", imports["autoddp_ms"], "ms", 1)
@@ -498,11 +528,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         run_command([sys.executable, "-c", warm], timeout=300)
         progress("warm-up done")
         launch = measure_launch(args.nproc, settings.launch_rounds, progress)
+    capture = None
     if settings.step_pairs:
         progress("steady-state step time")
         steps = measure_step_time(
             args.nproc, settings.step_pairs, settings.step_warmup_blocks, settings.step_control
         )
+        progress("capture's cost on the step")
+        capture = measure_capture_cost(args.nproc, settings.step_pairs // 2, settings.step_warmup_blocks)
     progress("import and call overhead")
     imports = measure_import_overhead(settings.import_repeats)
     calls = measure_call_overhead(settings.call_repeats, settings.call_count)
@@ -512,7 +545,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         transfer = measure_result_transfer(settings.transfer_mib, settings.transfer_repeats)
 
     table = Table()
-    figures = summary(table, launch, steps, imports, calls, transfer)
+    figures = summary(table, launch, steps, imports, calls, transfer, capture)
     mode_name = "selftest" if args.selftest else "quick" if args.quick else "full"
     print(f"autoddp benchmarks ({mode_name}): {machine['device']}, {machine['cpu_cores']} CPU cores,")
     print(f"  {machine['platform']}, Python {machine['python']}, torch {machine['torch']}")

@@ -15,6 +15,10 @@ printed is one JSON object.
   ``DataLoader(shuffle=True)``; every new pass over the loader reshuffles by itself.
 - hand-written: ``DistributedDataParallel(model)`` and a ``DataLoader`` with a
   ``DistributedSampler``, ``sampler.set_epoch(epoch)`` before every pass.
+
+``--capture`` compares, the same way, plain single-GPU code that autoddp captured (a model given
+to an optimizer, a shuffling DataLoader iterated) against the ``prepare`` contender: the cost of
+capture on the training step.
 """
 
 from __future__ import annotations
@@ -126,7 +130,18 @@ def build_hand_written(template: torch.nn.Module, dataset: Dataset) -> Contender
     return model, torch.optim.SGD(model.parameters(), lr=0.01), hand_written_batches(loader, sampler)
 
 
+def build_captured(template: torch.nn.Module, dataset: Dataset) -> Contender:
+    """Plain single-GPU code, distributed by capture: the optimizer finds the model, the loader
+    is sharded when first iterated."""
+    model = copy.deepcopy(template).to(autoddp.device())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True)
+    return model, optimizer, autoddp_batches(loader)
+
+
 BUILDERS = {"autoddp": build_autoddp, "ddp": build_hand_written}
+#: Capture against prepare: "autoddp" is the captured contender, "ddp" the prepared one.
+CAPTURE_BUILDERS = {"autoddp": build_captured, "ddp": build_autoddp}
 
 
 def compare(
@@ -166,15 +181,18 @@ def compare(
     }
 
 
-def run_all(sizes: list[str], pairs: int, warmup_blocks: int, control: bool = False) -> dict[str, Any]:
+def run_all(
+    sizes: list[str], pairs: int, warmup_blocks: int, control: bool = False, capture: bool = False
+) -> dict[str, Any]:
     """Every size, one after the other, in the same worker processes.
 
     With ``control``, each size also runs an A/A comparison (hand-written DDP against itself): how
-    far from 1 the harness puts two identical contenders on this machine.
+    far from 1 the harness puts two identical contenders on this machine. With ``capture`` the
+    contenders are captured plain code against ``prepare``.
     """
     result = {}
     for size in sizes:
-        result[size] = compare(size, pairs, warmup_blocks)
+        result[size] = compare(size, pairs, warmup_blocks, CAPTURE_BUILDERS if capture else None)
         if control:
             same = {"autoddp": build_hand_written, "ddp": build_hand_written}
             result[size]["control"] = compare(size, pairs, warmup_blocks, same)["wall"]
@@ -189,10 +207,11 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--sizes", default="small,medium")
     parser.add_argument("--control", action="store_true", help="also time hand-written DDP against itself")
+    parser.add_argument("--capture", action="store_true", help="captured plain code against prepare")
     args = parser.parse_args()
     backend = None if use_cuda(args.nproc) else "gloo"
     launch = autoddp.distributed(nproc=args.nproc, backend=backend)(run_all)
-    result = launch(args.sizes.split(","), args.pairs, args.warmup_blocks, args.control)
+    result = launch(args.sizes.split(","), args.pairs, args.warmup_blocks, args.control, args.capture)
     print(json.dumps(result))
 
 

@@ -28,3 +28,15 @@ def test_digits_on_two_processes(tmp_path):
     assert accuracy > 0.9
     assert (tmp_path / "digits.pt").exists()
     assert "checkpoint reloaded into a plain CNN" in proc.stdout
+
+
+def test_the_plain_single_gpu_script_under_the_command(tmp_path):
+    alone = run_python([str(EXAMPLES / "single_gpu.py")], cwd=tmp_path)
+    assert alone.returncode == 0, alone.stderr
+    proc = run_python(["-m", "autoddp.cli", "-n", "2", str(EXAMPLES / "single_gpu.py")], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("test accuracy") == 1  # the console shows rank 0
+    assert "on 512 samples" in proc.stdout  # the evaluation loader stayed whole
+    assert float(proc.stdout.split("test accuracy ")[1].split()[0]) > 0.9
+    assert "sharded" in proc.stderr and "Sequential (single_gpu.py:" in proc.stderr
+    assert (tmp_path / "single_gpu.pt").exists()

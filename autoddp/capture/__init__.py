@@ -164,7 +164,7 @@ class Session:
         if kind != "random":
             if self.notice is not None:  # (a script that made no group yet has nothing to say)
                 line = f"DataLoader ({where(site)}): left whole: {loaders.REASONS[kind]}"
-                self.notice.say(("loader", id(loader)), line)
+                self.notice.say(("loader", id(loader)), line, captured=False)
             return
         from autoddp.data import shard_loader, user_seed
 
@@ -173,7 +173,8 @@ class Session:
             assert self.notice is not None
             if _compat.loader_iterator(loader) is not None:
                 reason = "already iterated with persistent workers before autoddp saw it"
-                self.notice.say(("loader", id(loader)), f"DataLoader ({where(site)}): left whole: {reason}")
+                line = f"DataLoader ({where(site)}): left whole: {reason}"
+                self.notice.say(("loader", id(loader)), line, captured=False)
                 return
             shard_loader(loader, world, seed=self._shared_seed(user_seed(loader), world))
         self.notice.say(

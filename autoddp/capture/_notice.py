@@ -11,25 +11,40 @@ HOW_TO_TURN_OFF = "turn it off with @distributed(capture=False) or autoddp --no-
 
 
 class Notice:
-    """Lines on rank 0's stderr: a header at the first capture, then one line per new finding."""
+    """Lines on rank 0's stderr: a header at the first capture, then one line per new finding.
+
+    What was only left alone (an ordered loader) is said once something was captured, and not at
+    all when nothing was.
+    """
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
         self.world_size = world_size
         self.said: set[object] = set()
+        self.captured = False
+        self._held: list[str] = []
 
-    def say(self, key: object, line: str) -> None:
+    def say(self, key: object, line: str, *, captured: bool = True) -> None:
         """Say ``line`` once for ``key`` (on rank 0; the other ranks found the same)."""
         if key in self.said:
             return
-        if not self.said and self.rank == 0:
-            _write(
+        self.said.add(key)
+        if not captured and not self.captured:
+            self._held.append(line)
+            return
+        if not self.captured:
+            self.captured = True
+            self._write(
                 f"autoddp: capture: this code runs in each of {self.world_size} processes; autoddp "
                 f"distributes what it finds ({HOW_TO_TURN_OFF}):"
             )
-        self.said.add(key)
+            for held in self._held:
+                self._write(f"autoddp:   {held}")
+        self._write(f"autoddp:   {line}")
+
+    def _write(self, text: str) -> None:
         if self.rank == 0:
-            _write(f"autoddp:   {line}")
+            _write(text)
 
 
 def where(site: Site | None) -> str:
