@@ -13,6 +13,8 @@ first (torchrun-style) is left alone.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import runpy
 import sys
@@ -67,7 +69,9 @@ class _ScriptWorld:
             joined.__exit__(type(error) if error is not None else None, error, None)
 
 
-def _start_capture(capture_on: bool) -> tuple[capture.Session | None, _ScriptWorld | None]:
+def _start_capture(
+    capture_on: bool, options: RunOptions
+) -> tuple[capture.Session | None, _ScriptWorld | None]:
     """Pin this process's GPU and install capture, in a world of several processes with capture on."""
     world = environment.detect().world()
     if world.world_size <= 1 or not capture_on:
@@ -76,16 +80,28 @@ def _start_capture(capture_on: bool) -> tuple[capture.Session | None, _ScriptWor
     if backend.use_cuda and world.device.startswith("cuda:"):
         torch.cuda.set_device(int(world.device.split(":")[1]))  # before the script touches CUDA
     script_world = _ScriptWorld(world, backend)
-    session = capture.Session(RunOptions(), join=script_world.join)
+    session = capture.Session(options, join=script_world.join)
     session.install()
     return session, script_world
 
 
+def _runner_flags(argv: list[str]) -> tuple[bool, RunOptions, list[str]]:
+    """The command's own flags before the script: ``--no-capture``, ``--run-options JSON``."""
+    capture_on, options = True, RunOptions()
+    while argv[:1] in (["--no-capture"], ["--run-options"]):
+        if argv[0] == "--no-capture":
+            capture_on, argv = False, argv[1:]
+        else:
+            given = json.loads(argv[1])
+            given["fsdp_blocks"] = tuple(given.get("fsdp_blocks", ()))
+            options, argv = dataclasses.replace(options, **given), argv[2:]
+    return capture_on, options, argv
+
+
 def _run_captured(argv: list[str]) -> None:
-    """Run the script, under capture unless ``argv`` starts with ``--no-capture``."""
-    capture_on = argv[:1] != ["--no-capture"]
-    argv = argv if capture_on else argv[1:]
-    session, script_world = _start_capture(capture_on)
+    """Run the script, under capture unless the command said ``--no-capture``."""
+    capture_on, options, argv = _runner_flags(argv)
+    session, script_world = _start_capture(capture_on, options)
     error: BaseException | None = None
     try:
         _run(argv)

@@ -26,6 +26,7 @@ from typing import Any, BinaryIO
 import torch
 
 from autoddp import _containers, models
+from autoddp.models import optimizers
 from autoddp.rank0_control import run_on_rank0
 from autoddp.world import device
 
@@ -34,7 +35,7 @@ TEMPORARY_SUFFIX = ".autoddp-tmp"
 _MISSING: Any = object()
 
 
-def save(obj: Any, path: str | os.PathLike[str]) -> None:
+def save(obj: Any, path: str | os.PathLike[str], *, sharded: bool = False) -> None:
     """Write ``obj`` to ``path`` from rank 0 only, atomically; every rank returns once it is complete.
 
     Modules (also DDP-wrapped or compiled), optimizers and anything else with ``state_dict()``,
@@ -44,8 +45,16 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
     the other ranks. Called on rank 0 alone (``if autoddp.is_main():``) it writes without waiting
     for anyone: saves are paired across ranks per path, so such a save never satisfies a later
     save of another path that every rank makes.
+
+    ``sharded=True``, or a ``path`` that ends with a separator or is a folder: every rank writes its
+    own shards, as a distributed checkpoint (``autoddp.sharded``); every rank must call it.
     """
     path = os.fspath(path)
+    if sharded or path.endswith(os.sep) or os.path.isdir(path):
+        from autoddp import sharded as distributed_checkpoint
+
+        distributed_checkpoint.save(obj, path)
+        return
     state = _plain_state(obj)
     where = f"autoddp.save({path!r})"
     run_on_rank0(_write, (state, path), {}, where=where, series=f"save:{os.path.abspath(path)}")
@@ -57,8 +66,14 @@ def load(path: str | os.PathLike[str], default: Any = _MISSING, *, weights_only:
     When ``path`` does not exist, return ``default`` if one was given (``default=None`` starts
     fresh), else raise ``FileNotFoundError``. ``weights_only`` is passed to ``torch.load``: set it
     to False only for checkpoints you trust that hold objects other than tensors and containers.
+    A folder written by ``save(..., sharded=True)`` loads on any world size (``autoddp.sharded``).
     """
     path = os.fspath(path)
+    if os.path.isdir(path):
+        from autoddp import sharded as distributed_checkpoint
+
+        if distributed_checkpoint.is_checkpoint(path):
+            return distributed_checkpoint.load(path)
     try:
         return torch.load(path, map_location=device(), weights_only=weights_only)
     except FileNotFoundError:
@@ -111,16 +126,18 @@ def _plain_state(obj: Any) -> Any:
     """``obj`` with every Module (unwrapped), optimizer and other ``state_dict()`` holder as its state.
 
     Containers are copied only where something inside changed, so state dicts keep their type and
-    metadata.
+    metadata. Sharded tensors (FSDP) are gathered whole: every rank takes part.
     """
     if isinstance(obj, torch.nn.Module):
         return models.state_dict(obj)
+    if isinstance(obj, torch.optim.Optimizer):
+        return optimizers.state_dict(obj)
     if isinstance(obj, (torch.Tensor, type)):
-        return obj
+        return optimizers.full_tensors(obj)
     if not isinstance(obj, (dict, list, tuple)):
         state_dict = getattr(obj, "state_dict", None)
         if callable(state_dict):
-            return state_dict()
+            return optimizers.full_tensors(state_dict())
     return _containers.map_items(obj, _plain_state)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import sys
@@ -166,6 +167,26 @@ def _check_target(target: str | None, as_module: bool) -> None:
     "--rdzv-id", "--rdzv_id", "rdzv_id", default=None, help="Job id shared by all nodes.  [default: autoddp]"
 )
 @click.option(
+    "--strategy",
+    type=click.Choice(["ddp", "fsdp"]),
+    default="ddp",
+    show_default=True,
+    help="How models are distributed: replicated (DDP) or sharded (FSDP2).",
+)
+@click.option(
+    "--fsdp-blocks",
+    default=None,
+    metavar="CLASS,...",
+    help="FSDP: module classes that get their own shard unit.  [default: autoddp chooses]",
+)
+@click.option(
+    "--mixed-precision",
+    type=click.Choice(["bf16", "fp16"]),
+    default=None,
+    help="FSDP: compute in this dtype, reduce gradients in float32.  [default: off]",
+)
+@click.option("--cpu-offload", is_flag=True, help="FSDP: keep parameter shards on the CPU.  [default: off]")
+@click.option(
     "--capture/--no-capture",
     default=True,
     show_default=True,
@@ -190,6 +211,10 @@ def main(
     rdzv_endpoint: str | None,
     rdzv_backend: str | None,
     rdzv_id: str | None,
+    strategy: str,
+    fsdp_blocks: str | None,
+    mixed_precision: str | None,
+    cpu_offload: bool,
     capture: bool,
     script: str | None,
     script_args: tuple[str, ...],
@@ -223,8 +248,17 @@ def main(
         plan = launch.plan(nnodes, node_rank, master, rdzv_endpoint, rdzv_backend, rdzv_id)
     except ConfigurationError as error:
         _fail(str(error))
+    if strategy != "fsdp" and (fsdp_blocks or mixed_precision or cpu_offload):
+        _fail("--fsdp-blocks, --mixed-precision and --cpu-offload are FSDP's options: add --strategy fsdp")
+    run_options = {
+        "strategy": strategy,
+        "fsdp_blocks": [b.strip() for b in (fsdp_blocks or "").split(",") if b.strip()],
+        "mixed_precision": mixed_precision,
+        "cpu_offload": cpu_offload,
+    }
     argv = [
         *([] if capture else ["--no-capture"]),
+        *(["--run-options", json.dumps(run_options)] if strategy != "ddp" else []),
         *(["--module"] if as_module else []),
         script,
         *script_args,

@@ -12,8 +12,9 @@ from typing import Any, TypeVar, overload
 
 import wrapt
 
-from autoddp import _warn, environment, hardware, launch, process_group, streams
+from autoddp import _warn, environment, hardware, launch, models, process_group, streams
 from autoddp.errors import ConfigurationError
+from autoddp.models import fsdp
 from autoddp.preparation import prepare
 from autoddp.running import Job, run_in_world
 from autoddp.state import RunOptions
@@ -41,6 +42,10 @@ class Options:
     ranks: str = "0"
     log_dir: str | None = None
     capture: bool = True
+    strategy: str = "ddp"
+    fsdp_blocks: tuple[type | str, ...] = ()
+    mixed_precision: str | None = None
+    cpu_offload: bool = False
 
     def __post_init__(self) -> None:
         self.nodes  # noqa: B018 - checks the multi-node options at decoration time
@@ -76,7 +81,22 @@ class Options:
             raise ConfigurationError(
                 f"max_restarts={self.max_restarts!r} must be a whole number >= 0 (restarts after a failure)"
             )
-        for name in ("sync_batchnorm", "capture"):
+        models.strategy_named(self.strategy)
+        if self.strategy == "fsdp":
+            fsdp.fsdp_api()
+        elif self.fsdp_blocks or self.mixed_precision is not None or self.cpu_offload:
+            raise ConfigurationError(
+                "fsdp_blocks=, mixed_precision= and cpu_offload= are FSDP's options: add strategy='fsdp'"
+            )
+        fsdp.precision(self.mixed_precision)
+        if isinstance(self.fsdp_blocks, (str, type)) or not all(
+            isinstance(b, (str, type)) for b in self.fsdp_blocks
+        ):
+            raise ConfigurationError(
+                f"fsdp_blocks={self.fsdp_blocks!r}: give a tuple of module classes or class names, "
+                "e.g. fsdp_blocks=(TransformerBlock,) or fsdp_blocks=('TransformerBlock',)"
+            )
+        for name in ("sync_batchnorm", "capture", "cpu_offload"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigurationError(f"{name}={getattr(self, name)!r} must be True or False")
         self.output.shown(self.nproc or max(hardware.gpu_count(), 1))  # ranks=, log_dir= as well
@@ -105,7 +125,13 @@ class Options:
     @property
     def run_options(self) -> RunOptions:
         return RunOptions(
-            ddp_kwargs=dict(self.ddp or {}), sync_batchnorm=self.sync_batchnorm, capture=self.capture
+            strategy=self.strategy,
+            ddp_kwargs=dict(self.ddp or {}),
+            sync_batchnorm=self.sync_batchnorm,
+            capture=self.capture,
+            fsdp_blocks=tuple(self.fsdp_blocks),
+            mixed_precision=self.mixed_precision,
+            cpu_offload=self.cpu_offload,
         )
 
     def process_count(self, backend: process_group.Backend, gpus: int) -> int:
@@ -164,6 +190,12 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     itself are found too (``capture``, on by default): a model when an optimizer is made over
     it, a shuffled loader when it is first iterated, ``torch.save`` to a path written once by
     rank 0. ``capture=False`` leaves them alone.
+
+    ``strategy="fsdp"`` shards models with FSDP2 instead of replicating them with DDP (each
+    rank holds a share of the parameters, gradients and optimizer state); ``fsdp_blocks``
+    names the module classes that get their own shard unit (autoddp chooses otherwise),
+    ``mixed_precision="bf16"`` computes in bf16 with float32 gradient reduction, and
+    ``cpu_offload=True`` keeps the shards on the CPU.
     """
     checked = Options.from_keywords(options)
     if fn is None:

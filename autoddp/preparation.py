@@ -38,6 +38,13 @@ def _prepare_module(obj: torch.nn.Module) -> torch.nn.Module:
 
 
 @prepare.register
+def _prepare_optimizer(obj: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    from autoddp.models import optimizers
+
+    return optimizers.bind(obj)  # over sharded parameters: loads full state into the shards
+
+
+@prepare.register
 def _prepare_loader(obj: DataLoader) -> DataLoader:
     from autoddp.data import shard_loader
 

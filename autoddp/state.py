@@ -41,6 +41,12 @@ class RunOptions:
     sync_batchnorm: bool = False
     #: Find models, loaders and saves in the user's code by themselves (``autoddp.capture``).
     capture: bool = True
+    #: FSDP: module classes (or their names) that get their own ``fully_shard``; () lets autoddp choose.
+    fsdp_blocks: tuple[Any, ...] = ()
+    #: FSDP: compute in this dtype ("bf16", "fp16"), reduce gradients in float32; None: as the model is.
+    mixed_precision: Any = None
+    #: FSDP: keep the parameters' shards on the CPU between uses.
+    cpu_offload: bool = False
 
 
 class Releasing(Protocol):
@@ -79,6 +85,10 @@ class Run:
         """Remember that ``strategy`` wrapped ``model`` in the innermost joined world."""
         if self._wrapped:
             self._wrapped[-1][model] = strategy
+
+    def wrapped_models(self) -> list[Any]:
+        """The models wrapped in the joined worlds, innermost first."""
+        return [model for wrapped in reversed(self._wrapped) for model in list(wrapped)]
 
     def release_wrapped(self) -> None:
         """Have every model wrapped in the innermost world let go of it (before its group is destroyed)."""

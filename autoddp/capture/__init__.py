@@ -35,6 +35,7 @@ from autoddp.capture._notice import Notice, where
 from autoddp.capture._registry import Registry, user_site
 from autoddp.capture.saves import Saves
 from autoddp.errors import ConfigurationError
+from autoddp.models import optimizers as model_optimizers
 from autoddp.state import CURRENT, RunOptions, World
 
 _LOADER_SEED = "autoddp/capture/loader-seed/"
@@ -113,9 +114,12 @@ class Session:
 
     def _optimizer_init(self, original: Any) -> Any:
         def __init__(optimizer: Any, params: Any, *args: Any, **kwargs: Any) -> None:
-            if not self.busy:
-                params = self._distribute_models(params)
+            if self.busy:
+                original(optimizer, params, *args, **kwargs)
+                return
+            params = self._distribute_models(params)
             original(optimizer, params, *args, **kwargs)
+            model_optimizers.bind(optimizer)  # over sharded parameters: full state loads into shards
 
         return __init__
 
@@ -200,6 +204,7 @@ class Session:
             with self._own_work():
                 self.world()
                 assert self.saves is not None and self.notice is not None
+                obj = model_optimizers.full_tensors(obj)  # sharded (FSDP) state: gathered whole
                 what = self.saves.save(original, obj, f, args, kwargs)
             path = os.fspath(f)
             self.notice.say(("save", os.path.abspath(path)), f"torch.save({path!r}): {what}")

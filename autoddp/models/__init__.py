@@ -15,11 +15,12 @@ import torch
 from autoddp import _compat
 from autoddp.errors import ConfigurationError
 from autoddp.models.ddp import DDP
+from autoddp.models.fsdp import FSDP
 from autoddp.models.strategy import PLAIN, Strategy
 from autoddp.state import RunOptions, World
 
 #: The strategies a run can choose, by name.
-STRATEGIES: dict[str, Strategy] = {DDP.name: DDP}
+STRATEGIES: dict[str, Strategy] = {DDP.name: DDP, FSDP.name: FSDP}
 
 
 def strategy_named(name: str) -> Strategy:

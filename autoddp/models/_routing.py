@@ -136,30 +136,35 @@ def swapped_class(cls: type, strategy: Any) -> type:
         "no_sync": _no_sync,
         "_autoddp_plain_class": cls,
         "_autoddp_strategy": strategy,
-        "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__,
-        "__doc__": cls.__doc__,
     }
     for name, method in _user_methods(cls):
         namespace[name] = _watched(name, method)
-    return types.new_class(cls.__name__, (cls,), exec_body=lambda ns: ns.update(namespace))
+    return cached_subclass(cls, namespace)
 
 
 def _call_inner(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return self._orig_mod(*args, **kwargs)
 
 
-@functools.cache
-def _redirected_class(cls: type) -> type:
-    namespace = {
-        "__call__": _call_inner,
-        "__reduce_ex__": _reduce_ex,
-        "_autoddp_plain_class": cls,
-        "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__,
-        "__doc__": cls.__doc__,
-    }
-    return types.new_class(cls.__name__, (cls,), exec_body=lambda ns: ns.update(namespace))
+_SUBCLASSES: dict[tuple[type, tuple[tuple[str, Any], ...]], type] = {}
+
+
+def cached_subclass(cls: type, extra: dict[str, Any]) -> type:
+    """A subclass of ``cls`` with the same name and qualified name and ``extra`` in it, made once."""
+    key = (cls, tuple(sorted(extra.items())))
+    found = _SUBCLASSES.get(key)
+    if found is None:
+        namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
+        namespace.update(extra)
+        found = _SUBCLASSES[key] = types.new_class(
+            cls.__name__, (cls,), exec_body=lambda ns: ns.update(namespace)
+        )
+    return found
+
+
+def swap_class(module: torch.nn.Module, cls: type) -> None:
+    """Give ``module`` the class ``cls`` (a subclass of its own, from ``cached_subclass``)."""
+    module.__class__ = cls
 
 
 def redirect_compiled(compiled: torch.nn.Module) -> None:
@@ -169,7 +174,9 @@ def redirect_compiled(compiled: torch.nn.Module) -> None:
     would bypass the swapped class; code that kept the compiled object calls through it.
     """
     if "_autoddp_plain_class" not in type(compiled).__dict__:
-        compiled.__class__ = _redirected_class(type(compiled))
+        cls = type(compiled)
+        extra = {"__call__": _call_inner, "__reduce_ex__": _reduce_ex, "_autoddp_plain_class": cls}
+        compiled.__class__ = cached_subclass(cls, extra)
 
 
 def swap(module: torch.nn.Module, strategy: Any) -> None:

@@ -1,0 +1,252 @@
+"""The FSDP strategy: PyTorch's FSDP2 (``fully_shard``) with the units chosen by autoddp.
+
+Each rank holds only a share of every parameter, its gradients and optimizer state. Which
+submodules get their own ``fully_shard`` (``units``): the classes named by ``fsdp_blocks``, else the
+outermost classes that repeat (a transformer's blocks), else children holding a large share of
+the parameters; then the root. FSDP2 swaps the module's class for ``FSDP<Class>`` (a subclass of
+the user's: ``isinstance`` holds, keys stay plain); autoddp adds one more subclass on top whose
+``load_state_dict`` also takes a full plain state dict (scattered to the shards). A meta-device
+copy of the module made before sharding rebuilds the plain, unsharded model for the caller.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from autoddp import _compat, _warn
+from autoddp.errors import ConfigurationError
+from autoddp.models import _routing
+from autoddp.models.strategy import Strategy
+from autoddp.state import CURRENT, RunOptions, World
+
+_SKELETON = "_autoddp_skeleton"
+#: A child holding at least this share of the parameters gets its own unit when nothing repeats.
+_LARGE_CHILD = 0.2
+_PRECISIONS = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+def fsdp_api() -> Any:
+    """``torch.distributed.fsdp`` with FSDP2, or a ConfigurationError naming the torch it needs."""
+    try:
+        from torch.distributed import fsdp
+
+        fsdp.fully_shard  # noqa: B018
+    except (ImportError, AttributeError):
+        raise ConfigurationError(
+            f"strategy='fsdp' needs FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6); this is "
+            f"torch {torch.__version__}. Upgrade torch, or use strategy='ddp'"
+        ) from None
+    return fsdp
+
+
+def precision(value: Any) -> torch.dtype | None:
+    """The parameter dtype for ``mixed_precision=`` ("bf16", "fp16", a torch dtype, or None)."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    dtype = _PRECISIONS.get(str(value).lower())
+    if dtype is None:
+        raise ConfigurationError(
+            f"mixed_precision={value!r}: use 'bf16' or 'fp16' (compute in that dtype, reduce gradients "
+            "in float32), or leave it unset"
+        )
+    return dtype
+
+
+def units(module: torch.nn.Module, blocks: tuple[Any, ...] = ()) -> list[torch.nn.Module]:
+    """The submodules that get their own ``fully_shard`` before the root (see the module docstring)."""
+    inner = [m for m in module.modules() if m is not module]
+    if blocks:
+        return [m for m in inner if _named(m, blocks)]
+    holding = [m for m in inner if any(True for _ in m.parameters()) and not _is_container(m)]
+    repeated = {cls for cls, n in Counter(type(m) for m in holding).items() if n >= 2}
+    outermost = [m for m in holding if type(m) in repeated and not _inside(m, module, repeated)]
+    blocks_ = {cls for cls, n in Counter(type(m) for m in outermost).items() if n >= 2}
+    chosen = [m for m in outermost if type(m) in blocks_]
+    if chosen:
+        return chosen
+    total = sum(p.numel() for p in module.parameters())
+    return [
+        child
+        for child in module.children()
+        if total and sum(p.numel() for p in child.parameters()) >= _LARGE_CHILD * total
+    ]
+
+
+def _named(module: torch.nn.Module, blocks: tuple[Any, ...]) -> bool:
+    cls = type(module)
+    names = {cls.__name__, f"{cls.__module__}.{cls.__qualname__}"}
+    return any(
+        module.__class__ is b or isinstance(module, b) if isinstance(b, type) else b in names for b in blocks
+    )
+
+
+def _is_container(module: torch.nn.Module) -> bool:
+    return isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential))
+
+
+def _inside(module: torch.nn.Module, root: torch.nn.Module, classes: set[type]) -> bool:
+    """True when ``module`` lies within another module of one of ``classes`` (below ``root``).
+
+    The repeated classes whose instances lie in no other repeated one, twice or more, are the
+    blocks (a transformer's layers, not the linear layers inside them).
+    """
+    return any(
+        parent is not root
+        and parent is not module
+        and type(parent) in classes
+        and any(m is module for m in parent.modules())
+        for parent in root.modules()
+    )
+
+
+def _skeleton(module: torch.nn.Module) -> torch.nn.Module | None:
+    """A copy of ``module`` whose parameters and buffers live on the meta device (no memory)."""
+    memo: dict[int, Any] = {}
+    for tensor in (*module.parameters(), *module.buffers()):
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = (
+            torch.nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else meta
+        )
+    try:
+        return copy.deepcopy(module, memo)
+    except Exception:  # something in the module cannot be copied: the result stays sharded
+        return None
+
+
+def wrap_model(
+    module: torch.nn.Module, world: World, options: RunOptions, *, move: bool = True
+) -> torch.nn.Module:
+    """Shard ``module`` across ``world`` with FSDP2; with one process, only move it (and say so)."""
+    fsdp = fsdp_api()
+    compiled = _compat.compiled_parts(module)
+    if compiled is not None:
+        inner, dynamo_ctx = compiled
+        _compat.compile_in_place(inner, dynamo_ctx)
+        _routing.redirect_compiled(module)
+        module = inner
+    if isinstance(module, fsdp.FSDPModule):
+        return module
+    if move:
+        module = module.to(world.device)
+    if world.world_size == 1:
+        _warn.warn(
+            "strategy='fsdp' with one process: there is nothing to shard across, so the model runs "
+            "unsharded (as with strategy='ddp')"
+        )
+        return module
+    if not any(p.requires_grad for p in module.parameters()):
+        _warn.warn(
+            f"{type(module).__name__} has no trainable parameters: strategy='fsdp' leaves it unsharded "
+            "(nothing to train, no gradients to shard)"
+        )
+        return module
+    skeleton = _skeleton(module)
+    if options.sync_batchnorm:
+        module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    dtype = precision(options.mixed_precision)
+    policy = fsdp.MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else None
+    offload = fsdp.CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if options.cpu_offload else None
+    kwargs: dict[str, Any] = {}
+    if policy is not None:
+        kwargs["mp_policy"] = policy
+    if offload is not None:
+        kwargs["offload_policy"] = offload
+    for unit in units(module, tuple(options.fsdp_blocks)):
+        fsdp.fully_shard(unit, **kwargs)
+    fsdp.fully_shard(module, **kwargs)
+    _routing.swap_class(module, _sharded_class(type(module)))
+    object.__setattr__(module, _SKELETON, skeleton)
+    CURRENT.track(module, FSDP)
+    return module
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """The full, plain state dict (CPU tensors; only rank 0 gets it, others an empty dict)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state_dict(model: torch.nn.Module, state: Mapping[str, Any], strict: bool = True) -> Any:
+    """Scatter a full, plain state dict (every rank has it) to the model's shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    return set_model_state_dict(
+        model, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict)
+    )
+
+
+def _load_state_dict(
+    self: torch.nn.Module, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+) -> Any:
+    """``load_state_dict`` that also takes the full plain state autoddp saves (or a sharded checkpoint)."""
+    loader = getattr(state_dict, "load_into_model", None)
+    if loader is not None:
+        return loader(self)  # a part of a sharded checkpoint (autoddp.load of a folder)
+    if _is_plain(state_dict):
+        return load_full_state_dict(self, state_dict, strict)
+    plain = type(self)._autoddp_plain_class
+    return plain.load_state_dict(self, state_dict, strict=strict, assign=assign)
+
+
+def _is_plain(state: Mapping[str, Any]) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    values = [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return bool(values) and not any(isinstance(v, DTensor) for v in values)
+
+
+def _sharded_class(cls: type) -> type:
+    return _routing.cached_subclass(
+        cls,
+        {"load_state_dict": _load_state_dict, "_autoddp_strategy": FSDP, "_autoddp_plain_class": cls},
+    )
+
+
+class FSDPStrategy(Strategy):
+    """FSDP2 behind the user's own module (see the module docstring)."""
+
+    name = "fsdp"
+
+    def wrap(
+        self, module: torch.nn.Module, world: World, options: RunOptions, *, move: bool = True
+    ) -> torch.nn.Module:
+        return wrap_model(module, world, options, move=move)
+
+    def distributed(self, model: torch.nn.Module) -> bool:
+        return _SKELETON in model.__dict__
+
+    def release(self, model: torch.nn.Module) -> None:
+        """Sharding stays (FSDP2 cannot be undone); autoddp's own subclass goes."""
+        model.__dict__.pop(_SKELETON, None)
+        plain = type(model).__dict__.get("_autoddp_plain_class")
+        if plain is not None:
+            model.__class__ = plain
+
+    def state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
+        return full_state_dict(model)
+
+    def load_state_dict(self, model: torch.nn.Module, state: Mapping[str, Any], strict: bool = True) -> Any:
+        return load_full_state_dict(model, state, strict)
+
+    def portable(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Rank 0: the plain, unsharded model on the CPU (gathered; every rank takes part)."""
+        full = full_state_dict(model)
+        skeleton = model.__dict__.get(_SKELETON)
+        if CURRENT.world is None or CURRENT.world.rank != 0 or skeleton is None:
+            return model
+        skeleton.load_state_dict(full, assign=True)
+        return skeleton
+
+
+FSDP = FSDPStrategy()

@@ -1,0 +1,94 @@
+"""Optimizers over sharded (FSDP) parameters: their state saved full, loaded back into the shards.
+
+``state_dict`` gives an optimizer's state as a single process would have it (integer keys in
+parameter order, full tensors), also when its parameters are sharded: a plain optimizer loads it.
+``bind`` gives an optimizer over sharded parameters a load pre-hook (torch's public
+``register_load_state_dict_pre_hook``) that cuts such full tensors to this rank's shards, and
+passes parts of a sharded checkpoint to torch's distributed checkpoint.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from autoddp import _containers
+from autoddp.state import CURRENT
+
+_BOUND = "_autoddp_bound"
+_LOADING = threading.local()
+
+
+def _is_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def full_tensors(obj: Any) -> Any:
+    """``obj`` with every DTensor in it gathered into a plain CPU tensor (every rank calls it)."""
+    if _is_dtensor(obj):
+        return obj.full_tensor().cpu()
+    if isinstance(obj, torch.Tensor):
+        return obj
+    return _containers.map_items(obj, full_tensors)
+
+
+def state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state as one process would hold it (full tensors); a collective when sharded."""
+    return full_tensors(optimizer.state_dict())
+
+
+def model_of(optimizer: torch.optim.Optimizer) -> torch.nn.Module | None:
+    """The sharded model whose parameters ``optimizer`` trains, among those wrapped in this run."""
+    params = {id(p) for p in parameters(optimizer)}
+    for model in CURRENT.wrapped_models():
+        if any(id(p) in params for p in model.parameters()):
+            return model
+    return None
+
+
+def bind(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Have ``optimizer`` load full (and sharded-checkpoint) state into its shards; idempotent."""
+    if getattr(optimizer, _BOUND, False) or not any(_is_dtensor(p) for p in parameters(optimizer)):
+        return optimizer
+    optimizer.register_load_state_dict_pre_hook(_into_shards)
+    setattr(optimizer, _BOUND, True)
+    return optimizer
+
+
+def _into_shards(optimizer: torch.optim.Optimizer, state: Any) -> Any:
+    if getattr(_LOADING, "active", False):
+        return None
+    loader = getattr(state, "load_into_optimizer", None)
+    if loader is not None:  # a part of a sharded checkpoint
+        _LOADING.active = True
+        try:
+            loader(optimizer, model_of(optimizer))
+        finally:
+            _LOADING.active = False
+        return optimizer.state_dict()
+    from torch.distributed.tensor import distribute_tensor
+
+    params = parameters(optimizer)
+    cut: dict[Any, Any] = {}
+    for key, values in state.get("state", {}).items():
+        param = params[key] if isinstance(key, int) and key < len(params) else None
+        if param is None or not _is_dtensor(param):
+            cut[key] = values
+            continue
+        cut[key] = {
+            name: distribute_tensor(
+                v.to(param.device), param.device_mesh, param.placements, src_data_rank=None
+            )
+            if isinstance(v, torch.Tensor) and not _is_dtensor(v) and v.shape == param.shape
+            else v
+            for name, v in values.items()
+        }
+    return {**state, "state": cut}
