@@ -5,12 +5,16 @@
 
 One ``@autoddp.distributed`` call runs on all visible GPUs: with one GPU, a world of 1 in this
 process with the device pinned, the model on ``cuda:0`` and DDP skipped; with two or more, a real
-NCCL world. In it, each mode (plain fp32, AMP with ``torch.autocast`` and a GradScaler,
+NCCL world (capture off, so that the plain contender stays plain). In it, each mode (plain fp32,
+AMP with ``torch.autocast`` and a GradScaler,
 ``torch.compile``) trains a model prepared by autoddp and checks that every rank ends with the
 same weights, then times it in alternating blocks against a plain copy of the model run as
 single-GPU code in the same process (no DDP, no collectives) and prints the ratio: wrapped step
 time over plain single-GPU step time, with the same per-GPU batch (so above 1 by what gradient
-synchronisation costs). Without a CUDA device it prints "no CUDA device, skipped" and exits 0.
+synchronisation costs). Two more calls check plain single-GPU code under capture (the model found
+through its optimizer, the shuffled loader sharded) and ``strategy="fsdp"`` (sharded with two
+or more processes, trained, its full state gathered). Without a CUDA device it prints "no CUDA
+device, skipped" and exits 0.
 Exit status 1 if any check fails.
 """
 
@@ -201,6 +205,68 @@ def run_checks(models: dict[str, Shape], modes: Sequence[tuple[str, str]]) -> di
     return {"world_size": world, "ranks": reports}
 
 
+def run_capture(shape: Shape) -> dict[str, Any]:
+    """strategy="fsdp" on the same MLP (sharded with two or more processes), and plain code captured."""
+
+    from autoddp.models.ddp import is_wrapped
+
+    device, world = autoddp.device(), autoddp.world_size()
+    checks: dict[str, bool] = {}
+    torch.manual_seed(0)
+    plain = build_model(shape).to("cuda" if device.type == "cuda" else "cpu")  # as single-GPU code says it
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.01)  # capture wraps the model here
+    features, _, classes, batch, _ = shape
+    data = torch.utils.data.TensorDataset(
+        torch.randn(batch * 4, features), torch.randint(0, classes, (batch * 4,))
+    )
+    seen = 0
+    for x, y in torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True):
+        loss = F.cross_entropy(plain(x.to(device)), y.to(device))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        seen += len(x)
+    checks["capture: plain code's model on this process's device"] = next(plain.parameters()).device == device
+    checks[f"capture: DDP {'used' if world > 1 else 'skipped'}"] = is_wrapped(plain) == (world > 1)
+    checks["capture: the shuffled loader sharded"] = seen == batch * 4 // world
+    checks["capture: weights equal on all ranks"] = _same_on_all_ranks(plain)
+    return {"checks": checks}
+
+
+def fsdp_checks(shape: Shape) -> dict[str, Any]:
+    """The body of the strategy="fsdp" call: the MLP sharded (two or more processes), trained, gathered."""
+    from torch.distributed.tensor import DTensor
+
+    from autoddp import models
+
+    device, world = autoddp.device(), autoddp.world_size()
+    torch.manual_seed(0)
+    model = autoddp.prepare(build_model(shape))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    features, _, classes, batch, _ = shape
+    losses = []
+    for _ in range(5):
+        x = torch.randn(batch, features, device=device)
+        loss = F.cross_entropy(model(x), torch.randint(0, classes, (batch,), device=device))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    sharded = all(isinstance(p, DTensor) for p in model.parameters())
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    checks = {
+        f"fsdp: parameters {'sharded' if world > 1 else 'whole (one process)'}": sharded == (world > 1),
+        f"fsdp: each rank holds 1/{world} of the parameters": abs(local / total - 1 / world) < 0.02,
+        "fsdp: loss finite": bool(torch.isfinite(torch.stack(losses)).all()),
+    }
+    state = models.state_dict(model)  # a collective: every rank takes part
+    checks["fsdp: full state dict gathered on rank 0"] = autoddp.rank() != 0 or len(state) == len(
+        list(model.parameters())
+    )
+    return {"checks": checks}
+
+
 def print_report(result: dict[str, Any], gpu_names: str, elapsed: float) -> bool:
     """Print the checks and the timing table; True if every check passed on every rank."""
     ranks = result["ranks"]
@@ -245,7 +311,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = {"nproc": min(args.nproc or gpus, gpus)}
     # A collective may wait for another rank's first compilation: allow it minutes, not torch's 30.
     models = CPU_MODELS if args.cpu else GPU_MODELS
-    result = autoddp.distributed(timeout=240, **options)(run_checks)(models, modes)
+    # capture off: the plain contender of each timing must stay plain single-GPU code
+    result = autoddp.distributed(timeout=240, capture=False, **options)(run_checks)(models, modes)
+    captured = autoddp.distributed(timeout=240, **options)(run_capture)(models["mlp"])
+    fsdp = autoddp.distributed(timeout=240, strategy="fsdp", **options)(fsdp_checks)(models["mlp"])
+    for extra in (captured, fsdp):
+        for name, ok in extra["checks"].items():  # rank 0's, after every rank took part
+            for report in result["ranks"]:
+                report["checks"][name] = ok
     names = "CPU" if args.cpu else ", ".join(sorted({torch.cuda.get_device_name(i) for i in range(gpus)}))
     return 0 if print_report(result, f"{options['nproc']} x {names}", time.monotonic() - started) else 1
 

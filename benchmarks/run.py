@@ -24,7 +24,8 @@ The contenders are small scripts in this folder:
 - ``steady_state.py``: step time of ``autoddp.prepare``'d model and loader against hand-written
   DDP with a DistributedSampler, in the same processes;
 - ``call_overhead.py``: the decorator's cost per call with one process;
-- ``result_transfer.py``: returning a large tensor from rank 0, against torch.save + torch.load.
+- ``result_transfer.py``: returning a large tensor from rank 0, against torch.save + torch.load;
+- ``fsdp_memory.py``: peak memory per rank and step time of strategy="fsdp" against "ddp".
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class Settings:
     call_count: int
     transfer_mib: int = 0  # size of the tensor returned by the result-transfer rows (0: not measured)
     transfer_repeats: int = 0
+    fsdp_rounds: int = 0  # strategy="fsdp" against "ddp": rounds of fresh launches (0: not measured)
     step_control: bool = False  # also time DDP against itself (the A/A noise floor); doubles that part
 
 
@@ -89,6 +91,7 @@ FULL = Settings(
     call_count=5000,
     transfer_mib=1024,
     transfer_repeats=3,
+    fsdp_rounds=3,
     step_control=True,
 )
 QUICK = Settings(
@@ -100,6 +103,7 @@ QUICK = Settings(
     call_count=3000,
     transfer_mib=256,
     transfer_repeats=2,
+    fsdp_rounds=1,
 )
 SELFTEST = Settings(
     launch_rounds=0, step_pairs=0, step_warmup_blocks=0, import_repeats=2, call_repeats=2, call_count=200
@@ -296,6 +300,13 @@ def measure_step_time(nproc: int, pairs: int, warmup_blocks: int, control: bool)
     return last_json_line(out)
 
 
+def measure_fsdp(nproc: int, rounds: int) -> dict[str, Any]:
+    """Run ``fsdp_memory.py``: peak memory per rank and step time, strategy="fsdp" against "ddp"."""
+    command = [sys.executable, str(HERE / "fsdp_memory.py"), f"--rounds={rounds}", f"--nproc={nproc}"]
+    _, _, out = run_command(command, timeout=600)
+    return last_json_line(out)
+
+
 def measure_capture_cost(nproc: int, pairs: int, warmup_blocks: int) -> dict[str, Any]:
     """Run ``steady_state.py --capture``: captured plain code against ``prepare`` (medium model)."""
     command = [
@@ -404,6 +415,7 @@ def summary(
     calls: dict[str, list[float]],
     transfer: dict[str, Any] | None = None,
     capture: dict[str, Any] | None = None,
+    fsdp: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Fill the table and return the JSON summary (None for figures not measured)."""
     result: dict[str, Any] = {}
@@ -475,6 +487,19 @@ def summary(
             round(wall["ratio_ci_low"], 3),
             round(wall["ratio_ci_high"], 3),
         ]
+    if fsdp:
+        table.section(
+            f"strategy='fsdp' vs 'ddp', Adam on an MLP of {fsdp['parameters'] / 1e6:.1f}M parameters"
+        )
+        for name in ("ddp", "fsdp"):
+            table.figures(f"{name:4}  peak memory per rank", None, fsdp[f"{name}_peak_mib"], "MiB", 0)
+            table.figures(
+                f"{name:4}  params+grads+optimizer state", None, fsdp[f"{name}_state_mib"], "MiB", 0
+            )
+            table.figures(f"{name:4}  step time", None, fsdp[f"{name}_step_ms"], "ms", 1)
+        for key in ("fsdp_peak_ratio_vs_ddp", "fsdp_state_ratio_vs_ddp", "fsdp_step_ratio_vs_ddp"):
+            table.figures(key, None, fsdp[key], "x", 3)
+            result[key] = fsdp[key]
     table.section(f"Import and call overhead ({len(imports['autoddp_ms'])} fresh interpreters)")
     table.row("import torch", imports["torch_ms"], "ms", 1)
     table.row("import autoddp, after torch", imports["autoddp_ms"], "ms", 1)
@@ -544,8 +569,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         progress(f"returning a {settings.transfer_mib} MiB tensor")
         transfer = measure_result_transfer(settings.transfer_mib, settings.transfer_repeats)
 
+    fsdp = None
+    if settings.fsdp_rounds:
+        progress("strategy='fsdp' against 'ddp'")
+        fsdp = measure_fsdp(args.nproc, settings.fsdp_rounds)
+
     table = Table()
-    figures = summary(table, launch, steps, imports, calls, transfer, capture)
+    figures = summary(table, launch, steps, imports, calls, transfer, capture, fsdp)
     mode_name = "selftest" if args.selftest else "quick" if args.quick else "full"
     print(f"autoddp benchmarks ({mode_name}): {machine['device']}, {machine['cpu_cores']} CPU cores,")
     print(f"  {machine['platform']}, Python {machine['python']}, torch {machine['torch']}")

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from autoddp import _compat, _warn
+from autoddp import _compat, _warn, hardware
 from autoddp.errors import ConfigurationError
 from autoddp.models import _routing
 from autoddp.models.strategy import Strategy
@@ -151,6 +151,8 @@ def wrap_model(
         )
         return module
     skeleton = _skeleton(module)
+    if world.device == "cpu" and not options.cpu_offload:
+        hardware.return_freed_memory_at_once()  # else the heap keeps every unit's freed buffers
     if options.sync_batchnorm:
         module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
     dtype = precision(options.mixed_precision)
