@@ -25,7 +25,8 @@ The contenders are small scripts in this folder:
   DDP with a DistributedSampler, in the same processes;
 - ``call_overhead.py``: the decorator's cost per call with one process;
 - ``result_transfer.py``: returning a large tensor from rank 0, against torch.save + torch.load;
-- ``fsdp_memory.py``: peak memory per rank and step time of strategy="fsdp" against "ddp".
+- ``memory.py``: peak memory per rank and step time of hand-written DDP, autoddp's DDP and
+  strategy="fsdp".
 """
 
 from __future__ import annotations
@@ -301,8 +302,8 @@ def measure_step_time(nproc: int, pairs: int, warmup_blocks: int, control: bool)
 
 
 def measure_fsdp(nproc: int, rounds: int) -> dict[str, Any]:
-    """Run ``fsdp_memory.py``: peak memory per rank and step time, strategy="fsdp" against "ddp"."""
-    command = [sys.executable, str(HERE / "fsdp_memory.py"), f"--rounds={rounds}", f"--nproc={nproc}"]
+    """Run ``memory.py``: peak memory per rank and step time of hand-written DDP, autoddp, FSDP."""
+    command = [sys.executable, str(HERE / "memory.py"), f"--rounds={rounds}", f"--nproc={nproc}"]
     _, _, out = run_command(command, timeout=600)
     return last_json_line(out)
 
@@ -497,7 +498,13 @@ def summary(
                 f"{name:4}  params+grads+optimizer state", None, fsdp[f"{name}_state_mib"], "MiB", 0
             )
             table.figures(f"{name:4}  step time", None, fsdp[f"{name}_step_ms"], "ms", 1)
-        for key in ("fsdp_peak_ratio_vs_ddp", "fsdp_state_ratio_vs_ddp", "fsdp_step_ratio_vs_ddp"):
+        for key in (
+            "ddp_peak_ratio_vs_hand",
+            "ddp_step_ratio_vs_hand",
+            "fsdp_peak_ratio_vs_ddp",
+            "fsdp_state_ratio_vs_ddp",
+            "fsdp_step_ratio_vs_ddp",
+        ):
             table.figures(key, None, fsdp[key], "x", 3)
             result[key] = fsdp[key]
     table.section(f"Import and call overhead ({len(imports['autoddp_ms'])} fresh interpreters)")

@@ -19,7 +19,7 @@ from autoddp.environment import LOOPBACK
 from autoddp.errors import ConfigurationError, SerializationError
 from autoddp.launch.failures import first_failure
 from autoddp.launch.output import Output, announce_exit, one_line, say, show_hidden_output
-from autoddp.launch.start_method import choose_start_method
+from autoddp.launch.start_method import choose_start_method, preload_for_forked_workers
 from autoddp.launch.store import loopback_store
 from autoddp.launch.supervise import POLL_SECONDS, supervise
 from autoddp.running import Job
@@ -80,6 +80,7 @@ def launch_function(
             return sys.executable, {r: ("-m", "autoddp._worker_main", folder) for r in range(nproc)}
 
     else:
+        preload_for_forked_workers(job.args, job.kwargs, job.options.capture)
 
         def workers(folder: str) -> tuple[Any, dict[int, tuple]]:
             return _worker.run_forked, {r: (job, folder) for r in range(nproc)}

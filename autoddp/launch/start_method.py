@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import warnings
@@ -51,3 +52,18 @@ def _cuda_poisons_fork() -> bool:
         os._exit(1 if _compat.cuda_in_bad_fork() else 0)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status) != 0
+
+
+def preload_for_forked_workers(job_args: tuple, job_kwargs: dict, capture: bool) -> None:
+    """Import here, once, what every forked worker would otherwise import on its own.
+
+    Building a DDP imports ``torch._dynamo`` (about 800 modules, seconds); forked workers share
+    what the caller imported, so importing it before the first fork makes every later call
+    cheap, and spares N workers importing it side by side on the same cores. Done when a model
+    is passed or capture may find one (capture is on).
+    """
+    if "torch._dynamo" in sys.modules:
+        return
+    passes_model = any(isinstance(v, torch.nn.Module) for v in (*job_args, *job_kwargs.values()))
+    if passes_model or capture:
+        importlib.import_module("torch._dynamo")

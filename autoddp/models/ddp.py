@@ -38,6 +38,12 @@ _BATCHNORMS = (
 )
 
 
+#: autoddp's own DDP settings, chosen by measurement (``benchmarks/memory.py``, ``steady_state.py``)
+#: and shown to leave the weights bitwise equal (``tests/test_ddp_defaults.py``); ``ddp=`` wins.
+#: Gradients that are views into DDP's communication buckets need no copy of their own.
+DEFAULTS: dict[str, Any] = {"gradient_as_bucket_view": True}
+
+
 class _Registrations:
     """Counts module and parameter registrations in this process (torch's public global hooks).
 
@@ -69,7 +75,7 @@ class Replica:
     """The DDP behind one module, rebuilt when the module's parameters change (module docstring)."""
 
     def __init__(self, module: torch.nn.Module, ddp_kwargs: Mapping[str, Any]) -> None:
-        self.ddp_kwargs = dict(ddp_kwargs)
+        self.ddp_kwargs = {**DEFAULTS, **ddp_kwargs}
         self.signature: list[tuple[torch.nn.Parameter, torch.dtype, torch.device, bool]] = []
         self.registrations = -1
         self.build(module)
