@@ -3,11 +3,14 @@
 Runs the script as ``python PATH ARGS`` / ``python -m NAME ARGS`` would (``sys.argv``,
 ``sys.path[0]``, ``__name__ == "__main__"``). A failure is written to torch.distributed.elastic's
 error file, so the ``autoddp`` command can name the failing rank without the user adding
-``@record``, and its traceback is printed without this runner's own frames.
+``@record``, and its traceback is printed without this runner's own frames. After a script
+that ends well, the process groups it left open are destroyed at exit, after the script's own
+atexit hooks (``process_group.leave_open_groups``): an open gloo group can abort the exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import runpy
 import sys
@@ -15,7 +18,7 @@ import types
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from autoddp import _worker, transport
+from autoddp import _worker, process_group, transport
 
 
 def _run(argv: list[str]) -> None:
@@ -44,9 +47,12 @@ def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
 
 def main() -> None:
     _worker.die_with_parent()
+    # Registered before the script runs, so it runs after the script's own atexit hooks.
+    atexit.register(_leave_cleanly)
     try:
         _run(sys.argv[1:])
-    except SystemExit:
+    except SystemExit as stop:
+        _ENDED_WELL[0] = stop.code in (None, 0)
         raise
     except KeyboardInterrupt:  # the launcher passes Ctrl-C on and reports it once, for everyone
         sys.exit(128 + 2)
@@ -58,6 +64,25 @@ def main() -> None:
         exc.__traceback__ = _user_frames(exc.__traceback__)
         sys.excepthook(type(exc), exc, exc.__traceback__)
         sys.exit(1)
+    _ENDED_WELL[0] = True
+
+
+#: Whether the script ended well (after an error the group is left alone: others may still use it).
+_ENDED_WELL = [False]
+
+
+def _leave_cleanly() -> None:
+    """At exit, after a script that ended well: end the process groups it left open.
+
+    An open gloo group can abort the interpreter's exit; the script's own atexit hooks have
+    run by now, with the group still there.
+    """
+    if not _ENDED_WELL[0]:
+        return
+    try:
+        process_group.leave_open_groups()
+    except Exception as error:  # the script succeeded: say so, do not turn it into a failure
+        print(f"autoddp: could not end the process group the script left open: {error}", file=sys.stderr)
 
 
 if __name__ == "__main__":
