@@ -197,17 +197,13 @@ def main(
     `autoddp env` prints a report to paste into a bug report: versions, GPUs, the detected
     launcher and why, and what autoddp would do here.
     """
+    if master is None and master_addr is not None:
+        master = f"{master_addr}:{master_port or 29500}"
     if script == "env" and not as_module and not os.path.exists("env"):
-        if script_args:
-            _fail("autoddp env takes no arguments (to run a script named env, write ./env)")
-        from autoddp.report import describe
-
-        click.echo(describe())
+        _env_report(master or rdzv_endpoint, script_args)
         return
     _check_target(script, as_module)
     count = _process_count(nproc)
-    if master is None and master_addr is not None:
-        master = f"{master_addr}:{master_port or 29500}"
     try:
         plan = launch.plan(nnodes, node_rank, master, rdzv_endpoint, rdzv_backend, rdzv_id)
     except ConfigurationError as error:
@@ -221,6 +217,20 @@ def main(
     except ConfigurationError as error:
         _fail(str(error))
     sys.exit(_launch(count, argv, max_restarts, monitor_interval, output))
+
+
+def _env_report(master: str | None, args: tuple[str, ...]) -> None:
+    """``autoddp env [--master HOST:PORT]``: the report, with the interface towards node 0 if given."""
+    rest = list(args)
+    if rest[:1] == ["--master"] and len(rest) == 2:
+        master, rest = rest[1], []
+    elif len(rest) == 1 and rest[0].startswith("--master="):
+        master, rest = rest[0].partition("=")[2], []
+    if rest:
+        _fail("autoddp env takes only --master HOST:PORT (to run a script named env, write ./env)")
+    from autoddp.report import describe
+
+    click.echo(describe(master=master))
 
 
 def _launch_nodes(

@@ -6,9 +6,12 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import os
+import sys
 
 import torch
 
+from autoddp import network
 from autoddp.errors import ConfigurationError
 from autoddp.state import CURRENT, RunOptions, World
 
@@ -157,6 +160,8 @@ def _init_group(world: World, backend: Backend, device: str, timeout: datetime.t
         kwargs["timeout"] = timeout
     if backend.use_cuda:
         kwargs["device_id"] = torch.device(device)
+    if world.local_world_size < world.world_size:
+        _name_interface(world)
     dist.init_process_group(
         backend.name,
         init_method=f"tcp://{_host_for_url(world.master_addr)}:{world.master_port}",
@@ -165,3 +170,17 @@ def _init_group(world: World, backend: Backend, device: str, timeout: datetime.t
         **kwargs,
     )
     return True
+
+
+def _name_interface(world: World) -> None:
+    """In a world that spans machines, have gloo and NCCL use the interface that reaches rank 0.
+
+    Here the launcher started this very process, so the variables go into its own environment
+    (where gloo and NCCL read them), unless the user set either; local rank 0 says which.
+    """
+    assert world.master_addr is not None
+    choice = network.choose(world.master_addr, os.environ)
+    if choice.variables:
+        os.environ.update(choice.variables)
+        if world.local_rank == 0:
+            print(f"autoddp: node {world.node_rank}: {choice.summary}", file=sys.stderr, flush=True)
