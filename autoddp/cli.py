@@ -264,9 +264,13 @@ def _launch(
     nproc: int, argv: list[str], max_restarts: int, monitor_interval: float, output: launch.Output
 ) -> int:
     """Run the script once per process on this machine; the exit status of the command."""
-    if environment.detect().launched:
+    env = environment.detect()
+    if env.launched:
         # Already one process of a distributed run (srun, mpirun, torchrun): no second layer.
-        os.execv(sys.executable, [sys.executable, "-m", "autoddp._script", *argv])
+        try:
+            launch.exec_script(argv, env.world())
+        except ConfigurationError as error:
+            _fail(str(error))
     try:
         launch.launch_script(
             argv, nproc=nproc, max_restarts=max_restarts, poll_seconds=monitor_interval, output=output
