@@ -162,13 +162,22 @@ def _init_group(world: World, backend: Backend, device: str, timeout: datetime.t
         kwargs["device_id"] = torch.device(device)
     if world.local_world_size < world.world_size:
         _name_interface(world)
-    dist.init_process_group(
-        backend.name,
-        init_method=f"tcp://{_host_for_url(world.master_addr)}:{world.master_port}",
-        rank=world.rank,
-        world_size=world.world_size,
-        **kwargs,
-    )
+    try:
+        dist.init_process_group(
+            backend.name,
+            init_method=f"tcp://{_host_for_url(world.master_addr)}:{world.master_port}",
+            rank=world.rank,
+            world_size=world.world_size,
+            **kwargs,
+        )
+    except dist.DistNetworkError as error:
+        if "EADDRINUSE" not in str(error):
+            raise
+        raise ConfigurationError(
+            f"rank 0 cannot listen on {world.master_addr}:{world.master_port}: the port is in use, by "
+            "another job or another step of this job. Set MASTER_PORT to a free port, the same for "
+            "every process of this run"
+        ) from None
     return True
 
 

@@ -1,5 +1,5 @@
 """The command and the decorator inside worlds other launchers made, without those launchers:
-torchrun's variables for a torchrun-style script.
+torchrun's variables for a torchrun-style script, rank 0's port, and a taken port.
 The real srun and mpirun: test_clusters_slurm.py and test_clusters_mpi.py."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import subprocess
 import sys
 import uuid
 
-from autoddp.environment import shared_port
+from autoddp.environment import SlurmStep, shared_port, slurm_port
 from conftest import write
 
 SCRIPT = """
@@ -69,3 +69,47 @@ def test_the_command_gives_a_torchrun_script_the_mpi_world(tmp_path):
     runs = _together([sys.executable, "-m", "autoddp.cli", str(script)], envs)
     outputs = sorted(out.strip() for out, _ in runs)
     assert outputs == ["0 2 0 3.0", "1 2 1 3.0"], [err[-2000:] for _, err in runs]
+
+
+def test_a_taken_port_is_a_clear_error(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = _env({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        decorated = write(
+            tmp_path / "decorated.py",
+            """
+            import autoddp
+
+            @autoddp.distributed
+            def train():
+                return autoddp.world_size()
+
+            train()
+            """,
+        )
+        proc = subprocess.run(
+            [sys.executable, str(decorated)], env=env, capture_output=True, text=True, timeout=60
+        )
+    assert proc.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in proc.stderr
+    assert "Set MASTER_PORT to a free port" in proc.stderr
+
+
+def test_steps_of_one_slurm_job_get_different_ports():
+    ports = [slurm_port("1234567", step) for step in range(10)]
+    assert ports[0] == 24567 and len(set(ports)) == 10
+    assert all(20000 <= p < 30000 for p in ports)
+    task = {
+        "SLURM_JOB_ID": "1234567",
+        "SLURM_STEP_ID": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_NODELIST": "node1",
+    }
+    step1 = SlurmStep(task)
+    assert step1.world().master_port == ports[1]
+    assert "20000 + (SLURM_JOB_ID + 1009 * SLURM_STEP_ID) % 10000" in step1.explain()
