@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from autoddp import ConfigurationError, network
+from autoddp.environment import mpi
 from conftest import run_python
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's interface tables")
@@ -87,6 +88,20 @@ def test_ipv6_address_table(tmp_path):
     assert network._ipv6_interface("fd00::2", str(table)) == "eth0"
     assert network._ipv6_interface("::1", str(table)) == "lo"
     assert network._ipv6_interface("fd00::3", str(table)) is None
+
+
+def test_hydra_proxy_is_found_above_this_process(tmp_path):
+    # MPICH gives ranks on one node no shared variable: the proxy that started them is shared.
+    def stat(pid: int, name: str, parent: int) -> None:
+        (tmp_path / str(pid)).mkdir()
+        fields = ["S", str(parent), *["0"] * 17, "777"]  # field 22 (start time) is the 20th after the name
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} ({name}) {' '.join(fields)} 0 0\n")
+
+    stat(40, "hydra_pmi_proxy", 1)
+    stat(41, "bash", 40)
+    assert mpi.hydra_proxy(41, str(tmp_path)) == "40:777"
+    stat(50, "python (x)", 1)
+    assert mpi.hydra_proxy(50, str(tmp_path)) is None
 
 
 def test_env_report_names_the_interface_towards_node0(tmp_path):
