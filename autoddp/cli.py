@@ -248,6 +248,8 @@ def _launch_nodes(
             max_restarts=max_restarts,
             monitor_interval=monitor_interval,
         )
+    except ConfigurationError as error:  # before anything started: node 0's address, say
+        _fail(str(error))
     except ChildFailedError as error:
         click.echo(
             f"autoddp: {launch.describe_failure(error, nproc * plan.max_nodes)}; its traceback is above",

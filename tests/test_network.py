@@ -135,3 +135,21 @@ def test_no_route_to_the_master_is_a_clear_error():
         ["ip", "netns", "exec", "autoddp-h0", sys.executable, "-c", probe], capture_output=True, text=True
     )
     assert proc.returncode == 1 and "no network route to node 0 at 192.0.2.77" in proc.stderr
+
+
+def test_a_multi_node_command_with_a_master_that_does_not_resolve(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text("print('never')\n")
+    args = [
+        "-m",
+        "autoddp.cli",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--master",
+        "no-such-host.invalid:29500",
+    ]
+    proc = run_python([*args, str(script)], cwd=tmp_path)
+    assert proc.returncode == 2 and "never" not in proc.stdout
+    assert proc.stderr.startswith("autoddp: error: node 0's address 'no-such-host.invalid' does not resolve")
