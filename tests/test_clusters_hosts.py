@@ -72,24 +72,26 @@ def _command(*options: str):
 
 PLAIN = """
 import datetime, torch.distributed as dist
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=5))
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=2))
 """
 
 
 def test_without_autoddp_gloo_picks_loopback(tmp_path, hosts):
     # The set-up reproduces the defect: plain torch.distributed, launcher variables by hand.
+    # Whichever rank dials the other is sent to 127.0.0.1 and refused; the other times out.
     script = tmp_path / "plain.py"
     script.write_text(PLAIN)
     master = dict(MASTER_ADDR=HOSTS[0][1], MASTER_PORT=str(_port()), WORLD_SIZE="2")
     started = [_start(node, ["python", str(script)], RANK=str(node), **master) for node in (0, 1)]
     try:
-        _, err = started[0].communicate(timeout=60)  # rank 0 dials node 1 at 127.0.0.1: refused
+        runs = [(p, *p.communicate(timeout=90)) for p in started]
     finally:
-        for p in started:  # node 1 would wait for its own connect timeout
+        for p in started:
             p.kill()
             p.communicate()
-    assert started[0].returncode == 1 and "Gloo connectFullMesh failed" in err
-    assert "remote=[127.0.0.1]" in err
+    assert [p.returncode for p, _, _ in runs] == [1, 1]
+    errors = runs[0][2] + runs[1][2]
+    assert "Gloo connectFullMesh failed" in errors and "remote=[127.0.0.1]" in errors
 
 
 def test_command_static_rendezvous_torchrun_script(job):
