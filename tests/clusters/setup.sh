@@ -187,7 +187,7 @@ stop() {
   [ -e "$RUN/munged.ours" ] && daemons+=(/run/munge/munged.pid)
   for pid in "${daemons[@]}"; do
     if alive "$pid"; then
-      kill "$(cat "$pid")" 2>/dev/null
+      kill "$(cat "$pid" 2>/dev/null)" 2>/dev/null
       for _ in $(seq 50); do alive "$pid" || break; sleep 0.1; done
     fi
     rm -f "$pid"
