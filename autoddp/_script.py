@@ -11,6 +11,7 @@ atexit hooks (``process_group.leave_open_groups``): an open gloo group can abort
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import runpy
 import sys
@@ -52,7 +53,7 @@ def main() -> None:
     try:
         _run(sys.argv[1:])
     except SystemExit as stop:
-        _ENDED_WELL[0] = stop.code in (None, 0)
+        _ended(well=stop.code in (None, 0))
         raise
     except KeyboardInterrupt:  # the launcher passes Ctrl-C on and reports it once, for everyone
         sys.exit(128 + 2)
@@ -64,11 +65,23 @@ def main() -> None:
         exc.__traceback__ = _user_frames(exc.__traceback__)
         sys.excepthook(type(exc), exc, exc.__traceback__)
         sys.exit(1)
-    _ENDED_WELL[0] = True
+    _ended(well=True)
 
 
 #: Whether the script ended well (after an error the group is left alone: others may still use it).
 _ENDED_WELL = [False]
+
+
+def _ended(well: bool) -> None:
+    """Note how the script ended; after a good end, collect its garbage first thing at exit.
+
+    Registered now, the collection runs before the script's own atexit hooks (last registered,
+    first run): a DDP kept alive only by a reference cycle is gone before a hook of the script
+    destroys the group itself (freeing a DDP after its group can abort or deadlock gloo).
+    """
+    _ENDED_WELL[0] = well
+    if well:
+        atexit.register(gc.collect)
 
 
 def _leave_cleanly() -> None:
