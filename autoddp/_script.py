@@ -7,13 +7,17 @@ error file, so the ``autoddp`` command can name the failing rank without the use
 
 In a world of several processes the script runs under ``autoddp.capture`` (unless
 ``--no-capture``): this process is pinned to its GPU first, and the process group is made when
-capture first needs it and left after the script's last line. A script that makes its own group
-first (torchrun-style) is left alone.
+capture first needs it. A script that makes its own group first (torchrun-style) is left alone.
+After a script that ends well, the process groups left open (its own, or the one capture made)
+are destroyed at exit, after the script's own atexit hooks (``process_group.leave_open_groups``):
+an open gloo group can abort the exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import gc
 import json
 import os
 import runpy
@@ -53,7 +57,11 @@ def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
 
 
 class _ScriptWorld:
-    """The process group of a plain script: made when capture first needs it, left at the end."""
+    """The process group of a plain script: made when capture first needs it.
+
+    It is entered and never left here: after a script that ended well, ``_leave_cleanly`` ends
+    it at exit with any other group left open; after a failure it is left to the exit.
+    """
 
     def __init__(self, world: World, backend: process_group.Backend) -> None:
         self.world, self.backend = world, backend
@@ -63,26 +71,19 @@ class _ScriptWorld:
         self._joined = process_group.joined(self.world, self.backend)
         return self._joined.__enter__()
 
-    def leave(self, error: BaseException | None) -> None:
-        if self._joined is not None:
-            joined, self._joined = self._joined, None
-            joined.__exit__(type(error) if error is not None else None, error, None)
 
-
-def _start_capture(
-    capture_on: bool, options: RunOptions
-) -> tuple[capture.Session | None, _ScriptWorld | None]:
+def _start_capture(capture_on: bool, options: RunOptions) -> capture.Session | None:
     """Pin this process's GPU and install capture, in a world of several processes with capture on."""
     world = environment.detect().world()
     if world.world_size <= 1 or not capture_on:
-        return None, None
+        return None
     backend = process_group.resolve_backend(None, hardware.gpu_count())
     if backend.use_cuda and world.device.startswith("cuda:"):
         torch.cuda.set_device(int(world.device.split(":")[1]))  # before the script touches CUDA
     script_world = _ScriptWorld(world, backend)
     session = capture.Session(options, join=script_world.join)
     session.install()
-    return session, script_world
+    return session
 
 
 def _runner_flags(argv: list[str]) -> tuple[bool, RunOptions, list[str]]:
@@ -101,28 +102,25 @@ def _runner_flags(argv: list[str]) -> tuple[bool, RunOptions, list[str]]:
 def _run_captured(argv: list[str]) -> None:
     """Run the script, under capture unless the command said ``--no-capture``."""
     capture_on, options, argv = _runner_flags(argv)
-    session, script_world = _start_capture(capture_on, options)
-    error: BaseException | None = None
+    session = _start_capture(capture_on, options)
     try:
         _run(argv)
-    except BaseException as exc:
-        error = exc
-        raise
     finally:
         if session is not None:
             session.uninstall()
-        if script_world is not None:
-            script_world.leave(error)
 
 
 def main() -> None:
     _worker.die_with_parent()
+    # Registered before the script runs, so it runs after the script's own atexit hooks.
+    atexit.register(_leave_cleanly)
     try:
         _run_captured(sys.argv[1:])
-    except SystemExit as exc:
+    except SystemExit as stop:
         folder = os.environ.get("AUTODDP_RUN_FOLDER")
-        if folder and exc.code not in (None, 0):  # the launcher names the rank and the code
-            transport.save_error(folder, int(os.environ.get("RANK", "0")), exc)
+        if folder and stop.code not in (None, 0):  # the launcher names the rank and the code
+            transport.save_error(folder, int(os.environ.get("RANK", "0")), stop)
+        _ended(well=stop.code in (None, 0))
         raise
     except KeyboardInterrupt:  # the launcher passes Ctrl-C on and reports it once, for everyone
         sys.exit(128 + 2)
@@ -134,6 +132,37 @@ def main() -> None:
         exc.__traceback__ = _user_frames(exc.__traceback__)
         sys.excepthook(type(exc), exc, exc.__traceback__)
         sys.exit(1)
+    _ended(well=True)
+
+
+#: Whether the script ended well (after an error the group is left alone: others may still use it).
+_ENDED_WELL = [False]
+
+
+def _ended(well: bool) -> None:
+    """Note how the script ended; after a good end, collect its garbage first thing at exit.
+
+    Registered now, the collection runs before the script's own atexit hooks (last registered,
+    first run): a DDP kept alive only by a reference cycle is gone before a hook of the script
+    destroys the group itself (freeing a DDP after its group can abort or deadlock gloo).
+    """
+    _ENDED_WELL[0] = well
+    if well:
+        atexit.register(gc.collect)
+
+
+def _leave_cleanly() -> None:
+    """At exit, after a script that ended well: end the process groups it left open.
+
+    An open gloo group can abort the interpreter's exit; the script's own atexit hooks have
+    run by now, with the group still there.
+    """
+    if not _ENDED_WELL[0]:
+        return
+    try:
+        process_group.leave_open_groups()
+    except Exception as error:  # the script succeeded: say so, do not turn it into a failure
+        print(f"autoddp: could not end the process group the script left open: {error}", file=sys.stderr)
 
 
 if __name__ == "__main__":

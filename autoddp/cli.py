@@ -233,17 +233,13 @@ def main(
     `autoddp env` prints a report to paste into a bug report: versions, GPUs, the detected
     launcher and why, and what autoddp would do here.
     """
+    if master is None and master_addr is not None:
+        master = f"{master_addr}:{master_port or 29500}"
     if script == "env" and not as_module and not os.path.exists("env"):
-        if script_args:
-            _fail("autoddp env takes no arguments (to run a script named env, write ./env)")
-        from autoddp.report import describe
-
-        click.echo(describe())
+        _env_report(master or rdzv_endpoint, script_args)
         return
     _check_target(script, as_module)
     count = _process_count(nproc)
-    if master is None and master_addr is not None:
-        master = f"{master_addr}:{master_port or 29500}"
     try:
         plan = launch.plan(nnodes, node_rank, master, rdzv_endpoint, rdzv_backend, rdzv_id)
     except ConfigurationError as error:
@@ -273,6 +269,20 @@ def main(
     sys.exit(_launch(count, argv, max_restarts, monitor_interval, output))
 
 
+def _env_report(master: str | None, args: tuple[str, ...]) -> None:
+    """``autoddp env [--master HOST:PORT]``: the report, with the interface towards node 0 if given."""
+    rest = list(args)
+    if rest[:1] == ["--master"] and len(rest) == 2:
+        master, rest = rest[1], []
+    elif len(rest) == 1 and rest[0].startswith("--master="):
+        master, rest = rest[0].partition("=")[2], []
+    if rest:
+        _fail("autoddp env takes only --master HOST:PORT (to run a script named env, write ./env)")
+    from autoddp.report import describe
+
+    click.echo(describe(master=master))
+
+
 def _launch_nodes(
     plan: launch.Nodes, nproc: int, argv: list[str], max_restarts: int, monitor_interval: float
 ) -> int:
@@ -288,6 +298,8 @@ def _launch_nodes(
             max_restarts=max_restarts,
             monitor_interval=monitor_interval,
         )
+    except ConfigurationError as error:  # before anything started: node 0's address, say
+        _fail(str(error))
     except ChildFailedError as error:
         click.echo(
             f"autoddp: {launch.describe_failure(error, nproc * plan.max_nodes)}; its traceback is above",
@@ -304,9 +316,13 @@ def _launch(
     nproc: int, argv: list[str], max_restarts: int, monitor_interval: float, output: launch.Output
 ) -> int:
     """Run the script once per process on this machine; the exit status of the command."""
-    if environment.detect().launched:
+    env = environment.detect()
+    if env.launched:
         # Already one process of a distributed run (srun, mpirun, torchrun): no second layer.
-        os.execv(sys.executable, [sys.executable, "-m", "autoddp._script", *argv])
+        try:
+            launch.exec_script(argv, env.world())
+        except ConfigurationError as error:
+            _fail(str(error))
     try:
         launch.launch_script(
             argv, nproc=nproc, max_restarts=max_restarts, poll_seconds=monitor_interval, output=output

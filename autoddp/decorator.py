@@ -39,6 +39,7 @@ class Options:
     nnodes: int | str | None = None
     node_rank: int | None = None
     master: str | None = None
+    rdzv_backend: str | None = None
     ranks: str = "0"
     log_dir: str | None = None
     capture: bool = True
@@ -116,7 +117,7 @@ class Options:
 
     @property
     def nodes(self) -> launch.Nodes:
-        return launch.plan(self.nnodes, self.node_rank, self.master)
+        return launch.plan(self.nnodes, self.node_rank, self.master, rdzv_backend=self.rdzv_backend)
 
     @property
     def output(self) -> launch.Output:
@@ -179,9 +180,11 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     ``TORCHELASTIC_RESTART_COUNT``; resume with ``autoddp.load(path, default=None)``).
     ``nnodes``/``node_rank``/``master="host:port"``: run on several machines (call the function
     on each, with its own ``node_rank``; node 0 hosts the rendezvous at ``master``); the result
-    is rank 0's on node 0 and None elsewhere. ``ranks``: whose output reaches the console:
-    ``"0"`` (default), ``"all"`` (lines prefixed ``[rank N]``) or local ranks like ``"0,1"``;
-    every rank's output is also written to files under ``log_dir`` when given.
+    is rank 0's on node 0 and None elsewhere. ``rdzv_backend="c10d"``: torchrun's dynamic
+    rendezvous at ``master`` instead (no ``node_rank``; ``nnodes="MIN:MAX"`` for an elastic
+    range); the machine whose worker became rank 0 gets the result. ``ranks``: whose output
+    reaches the console: ``"0"`` (default), ``"all"`` (lines prefixed ``[rank N]``) or local
+    ranks like ``"0,1"``; every rank's output is also written to files under ``log_dir``.
 
     Models and DataLoaders among the arguments are prepared (see ``autoddp.prepare``): models
     are moved to the process's device and wrapped in DDP (``ddp=`` passes keyword arguments

@@ -6,9 +6,12 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import os
+import sys
 
 import torch
 
+from autoddp import network
 from autoddp.errors import ConfigurationError
 from autoddp.state import CURRENT, RunOptions, World
 
@@ -142,6 +145,26 @@ class _Joined:
             self.current.__exit__(exc_type, *rest)
 
 
+def leave_open_groups() -> bool:
+    """Destroy the process groups a finished script left open; True if there were any.
+
+    A script that never calls ``destroy_process_group`` (PyTorch Lightning's Trainer is one)
+    leaves gloo's threads running into the interpreter's exit, where they abort the process
+    ("terminate called without an active exception") in about one run in eight. Called after
+    the script's last line, once its variables are gone: models autoddp wrapped let go first
+    and garbage is collected, so that no DDP outlives its group (freeing one afterwards can
+    deadlock gloo).
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return False
+    CURRENT.release_wrapped()
+    gc.collect()
+    dist.destroy_process_group()
+    return True
+
+
 def _init_group(world: World, backend: Backend, device: str, timeout: datetime.timedelta | None) -> bool:
     """Initialise the default process group for ``world`` unless one exists; True if it was made here."""
     import torch.distributed as dist
@@ -159,11 +182,36 @@ def _init_group(world: World, backend: Backend, device: str, timeout: datetime.t
         kwargs["timeout"] = timeout
     if backend.use_cuda:
         kwargs["device_id"] = torch.device(device)
-    dist.init_process_group(
-        backend.name,
-        init_method=f"tcp://{_host_for_url(world.master_addr)}:{world.master_port}",
-        rank=world.rank,
-        world_size=world.world_size,
-        **kwargs,
-    )
+    if world.local_world_size < world.world_size:
+        _name_interface(world)
+    try:
+        dist.init_process_group(
+            backend.name,
+            init_method=f"tcp://{_host_for_url(world.master_addr)}:{world.master_port}",
+            rank=world.rank,
+            world_size=world.world_size,
+            **kwargs,
+        )
+    except dist.DistNetworkError as error:
+        if "EADDRINUSE" not in str(error):
+            raise
+        raise ConfigurationError(
+            f"rank 0 cannot listen on {world.master_addr}:{world.master_port}: the port is in use, by "
+            "another job or another step of this job. Set MASTER_PORT to a free port, the same for "
+            "every process of this run"
+        ) from None
     return True
+
+
+def _name_interface(world: World) -> None:
+    """In a world that spans machines, have gloo and NCCL use the interface that reaches rank 0.
+
+    Here the launcher started this very process, so the variables go into its own environment
+    (where gloo and NCCL read them), unless the user set either; local rank 0 says which.
+    """
+    assert world.master_addr is not None
+    choice = network.choose(world.master_addr, os.environ)
+    if choice.variables:
+        os.environ.update(choice.variables)
+        if world.local_rank == 0:
+            print(f"autoddp: node {world.node_rank}: {choice.summary}", file=sys.stderr, flush=True)

@@ -7,15 +7,18 @@ rank 0's port comes from. It reports problems instead of raising them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+import socket
 import sys
 import textwrap
 from collections.abc import Callable, Mapping
 
 import torch
 
-from autoddp import environment, hardware
+from autoddp import environment, hardware, network
+from autoddp.state import World
 
 _WIDTH = 100
 _LABEL = 15
@@ -33,12 +36,16 @@ _SETTINGS = (
 )
 
 
-def describe(environ: Mapping[str, str] | None = None, *, name_gpus: bool = True) -> str:
+def describe(
+    environ: Mapping[str, str] | None = None, *, name_gpus: bool = True, master: str | None = None
+) -> str:
     """The report for ``environ`` (default: this process's environment), ready to paste.
 
-    Versions and GPUs are this process's own. Naming the GPUs initialises CUDA here (a later
-    ``@distributed`` call then starts workers as fresh interpreters, not by fork), so it is
-    done last and only when a GPU is visible; ``name_gpus=False`` counts them only.
+    ``master`` (``HOST:PORT`` of node 0, as ``--master`` takes it) adds which network interface
+    a multi-node run would use from here. Versions and GPUs are this process's own. Naming the
+    GPUs initialises CUDA here (a later ``@distributed`` call then starts workers as fresh
+    interpreters, not by fork), so it is done last and only when a GPU is visible;
+    ``name_gpus=False`` counts them only.
     """
     environ = os.environ if environ is None else environ
     try:
@@ -48,7 +55,7 @@ def describe(environ: Mapping[str, str] | None = None, *, name_gpus: bool = True
     # Before anything that may initialise CUDA: the start method depends on it.
     backend = _safe(lambda: _backend(gpus))
     start = _safe(lambda: _start_method(gpus))
-    launch = _launch_section(environ, gpus, backend, start)
+    launch = _launch_section(environ, gpus, backend, start, master)
     versions = [
         ("python", _safe(_python)),
         ("platform", _safe(platform.platform)),
@@ -70,7 +77,9 @@ def describe(environ: Mapping[str, str] | None = None, *, name_gpus: bool = True
     )
 
 
-def _launch_section(environ: Mapping[str, str], gpus: int, backend: str, start: str) -> list[str]:
+def _launch_section(
+    environ: Mapping[str, str], gpus: int, backend: str, start: str, master: str | None
+) -> list[str]:
     try:
         env = environment.detect(environ)
     except Exception as error:  # a half-set environment: show it, do not raise
@@ -79,11 +88,13 @@ def _launch_section(environ: Mapping[str, str], gpus: int, backend: str, start: 
                 ("environment", f"broken: {error}"),
                 ("backend", backend),
                 ("start method", start),
+                ("network", _safe(lambda: _network(environ, None, master))),
             ],
             indent=0,
         )
     what = "launched: @distributed runs in place" if env.launched else "@distributed starts its own workers"
     rows = [("environment", f"{env.name}; {what}"), ("  why", _safe(env.explain))]
+    world: World | None = None
     try:
         world = env.world()
     except Exception as error:
@@ -110,7 +121,30 @@ def _launch_section(environ: Mapping[str, str], gpus: int, backend: str, start: 
         start = f"{start}; not used here: the launcher started the processes"
     rows.append(("  start method", start))
     rows.append(("  port policy", _safe(env.port_policy)))
+    rows.append(("  network", _safe(lambda: _network(environ, world if env.launched else None, master))))
     return _rows(rows, indent=0)
+
+
+def _network(environ: Mapping[str, str], world: World | None, master: str | None) -> str:
+    """Which interface gloo and NCCL would use to reach the other machines, and why."""
+    if master:
+        host = master.rpartition(":")[0] or master
+        return f"to node 0 at {master}: {network.choose(host, environ).summary}"
+    if world is not None and world.master_addr and world.local_world_size < world.world_size:
+        return f"to rank 0 at {world.master_addr}: {network.choose(world.master_addr, environ).summary}"
+    own = network.user_setting(environ)
+    if own:
+        return f"{own} set by you: autoddp leaves the network interface to it"
+    text = (
+        "one machine: loopback. Across machines autoddp names the interface that routes to node 0 "
+        "(autoddp env --master HOST:PORT shows it)"
+    )
+    name = socket.gethostname()
+    with contextlib.suppress(OSError):
+        address = socket.gethostbyname(name)
+        if address.startswith("127."):
+            text += f"; this host name ({name}) resolves to {address}, which gloo alone would use"
+    return text
 
 
 def _processes(launched: bool, world_size: int, gpus: int) -> str:

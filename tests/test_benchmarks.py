@@ -129,3 +129,15 @@ def test_step_summary_interval_contains_the_median():
     figures = steady_state.summarise([1.0 + i / 100 for i in range(50)], [1.0] * 50)
     assert figures["ratio_ci_low"] <= figures["ratio"] <= figures["ratio_ci_high"]
     assert figures["ratio"] == pytest.approx(1.245)
+
+
+# --- clean_exits.py -----------------------------------------------------------------------
+
+
+def test_clean_exits_counts_one_run(capsys):
+    clean_exits = load("clean_exits")
+    assert clean_exits.main(["--runs", "1", "--only", "autoddp"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {
+        "runs": 1,
+        "clean_exits": {"autoddp": 1},
+    }

@@ -24,7 +24,9 @@ def _both(commands):
     return [(p, *p.communicate(timeout=120)) for p in procs]
 
 
-def test_two_command_launchers_form_one_world(tmp_path):
+def test_two_command_launchers_form_one_world(tmp_path, monkeypatch):
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)
     script = write(
         tmp_path / "job.py",
         """
@@ -58,6 +60,9 @@ def test_two_command_launchers_form_one_world(tmp_path):
     lines = sorted(out.strip() for _, out, _ in results)
     assert all(p.returncode == 0 for p, _, _ in results), [e for _, _, e in results]
     assert lines == ["rank=0 world=2 sum=3.0", "rank=1 world=2 sum=3.0"]
+    for node, (_, _, err) in enumerate(results):  # the start-up line: where, and which interface
+        assert f"autoddp: node {node} of 2, 1 worker(s) here, static rendezvous at {master}" in err
+        assert "network interface lo (127.0.0.1), the one that routes to 127.0.0.1" in err
 
 
 def test_decorated_function_on_two_nodes_returns_rank0_value_on_node0(tmp_path):

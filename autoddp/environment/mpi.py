@@ -1,12 +1,14 @@
 """MPI launchers: Open MPI's ``mpirun`` and MPICH/Intel MPI's ``mpiexec`` (Hydra).
 
 MPI gives rank and size but not rank 0's address. On one node autoddp uses loopback and port
-``20000 + crc32(job key) % 10000`` from a variable all ranks share (``PMIX_NAMESPACE``...); MPI
-across nodes needs ``MASTER_ADDR``.
+``20000 + crc32(job key) % 10000`` from a variable all ranks share (``PMIX_NAMESPACE``...), or
+with MPICH, which sets none, from the Hydra proxy process that started them; MPI across nodes
+needs ``MASTER_ADDR``.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import ClassVar
 
@@ -35,6 +37,33 @@ MPI_JOB_KEYS = (
     "OMPI_MCA_orte_ess_jobid",
 )
 MPI_NODE_KEYS = ("PMI_PORT",)
+
+#: Hydra's per-node process that starts the ranks: MPICH 4 on one node sets only ``PMI_FD``.
+HYDRA_PROXY = "hydra_pmi_proxy"
+
+
+def hydra_proxy(pid: int | None = None, proc: str = "/proc") -> str | None:
+    """``"PID:START"`` of the nearest ``hydra_pmi_proxy`` above this process, or None.
+
+    MPICH's mpiexec on one machine gives its ranks no variable they share (only ``PMI_FD``, a
+    file descriptor), but the ranks of one node are all started by one proxy process: its pid
+    and start time (which tell a reused pid apart) are what they share. Read from ``/proc``.
+    """
+    pid = os.getppid() if pid is None else pid
+    for _ in range(32):  # a few launcher layers at most (a shell, srun's step daemon)
+        try:
+            with open(f"{proc}/{pid}/stat") as handle:
+                stat = handle.read()
+        except OSError:
+            return None
+        name = stat[stat.find("(") + 1 : stat.rfind(")")]
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if name == HYDRA_PROXY:
+            return f"{pid}:{fields[19]}"
+        pid = int(fields[1])
+        if pid <= 1:
+            return None
+    return None
 
 
 class _MPI(Environment):
@@ -106,6 +135,11 @@ class _MPI(Environment):
         for key in keys:
             if env.get(key):
                 return shared_port(env[key]), f"{PORT_BASE} + crc32({key}) % {PORT_SPAN}"
+        proxy = hydra_proxy() if local_size == size and "PMI_FD" in env else None
+        if proxy is not None:
+            owner = f"pid and start time of {HYDRA_PROXY} {proxy.split(':')[0]}"
+            source = f"{PORT_BASE} + crc32({owner}) % {PORT_SPAN}"
+            return shared_port(f"hydra:{proxy}"), source
         raise ConfigurationError(
             f"this MPI launcher sets no variable all ranks share ({', '.join(keys)}), so the ranks cannot "
             "agree on a port by themselves: export MASTER_PORT (a free port) to every rank, "

@@ -1,9 +1,11 @@
 """SLURM: one task of a multi-task srun step (launched), or a process inside an allocation (not).
 
 A SLURM step without ``MASTER_ADDR``/``MASTER_PORT`` finds rank 0 at the first host of the step's
-node list, on port ``20000 + SLURM_JOB_ID % 10000``: every task computes the same number without
-talking, consecutive jobs sharing a node get different ports, and the range stays unprivileged
-and below Linux's ephemeral ports (32768-60999).
+node list, on port ``20000 + (SLURM_JOB_ID + 1009 * SLURM_STEP_ID) % 10000``: every task computes
+the same number without talking, consecutive jobs sharing a node get different ports, so do
+steps of one job running at the same time (``srun ... &`` twice in one allocation; step 0 has
+``20000 + SLURM_JOB_ID % 10000``), and the range stays unprivileged and below Linux's ephemeral
+ports (32768-60999).
 """
 
 from __future__ import annotations
@@ -36,15 +38,18 @@ from autoddp.environment._hostlist import first_host
 from autoddp.errors import ConfigurationError
 from autoddp.state import World
 
+#: Steps of one job are this far apart in the port range (a prime: every step a different port).
+STEP_STRIDE = 1009
 
-def slurm_port(job_id: str) -> int:
-    """The port every task of a SLURM job derives alike: ``20000 + SLURM_JOB_ID % 10000``."""
+
+def slurm_port(job_id: str, step_id: int = 0) -> int:
+    """The port every task of a SLURM step derives alike: ``20000 + (job + 1009 * step) % 10000``."""
     number = parse_int(job_id)
     if number is None or number < 0:
         raise ConfigurationError(
             f"SLURM_JOB_ID={job_id!r} is not a number, so no port can be derived from it; set MASTER_PORT"
         )
-    return PORT_BASE + number % PORT_SPAN
+    return PORT_BASE + (number + STEP_STRIDE * step_id) % PORT_SPAN
 
 
 def _tasks_on_node(tasks_per_node: str, node: int) -> int | None:
@@ -149,7 +154,11 @@ class SlurmStep(Environment):
                 "this SLURM step has no SLURM_JOB_ID to derive rank 0's port from: set MASTER_PORT "
                 "(a free port on rank 0's host) for every task"
             )
-        return slurm_port(job), f"{PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN}"
+        step = slurm_step_id(self.environ) or 0
+        if step == 0:
+            return slurm_port(job), f"{PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN}"
+        source = f"{PORT_BASE} + (SLURM_JOB_ID + {STEP_STRIDE} * SLURM_STEP_ID) % {PORT_SPAN}"
+        return slurm_port(job, step), source
 
     def explain(self) -> str:
         env = self.environ

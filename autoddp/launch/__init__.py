@@ -3,9 +3,10 @@
 Modules, in dependency order: ``output`` (console routing, messages), ``start_method`` (fork or
 fresh interpreters), ``store`` (the loopback rendezvous store), ``supervise`` (elastic's
 multiprocessing, signals), ``failures`` (root-cause triage), ``local`` (one machine, restarts),
-``nodes`` (several machines, elastic's agent).
+``nodes`` (several machines, elastic's agent), ``in_place`` (the command inside a launched world).
 """
 
+from autoddp.launch.in_place import exec_script as exec_script
 from autoddp.launch.local import launch_function as launch_function
 from autoddp.launch.local import launch_script as launch_script
 from autoddp.launch.nodes import Nodes as Nodes

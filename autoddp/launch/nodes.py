@@ -13,10 +13,10 @@ import dataclasses
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from autoddp import hardware, transport
+from autoddp import hardware, network, transport
 from autoddp.errors import ConfigurationError, WorkerError
 from autoddp.launch.output import announce_exit, say
 from autoddp.launch.supervise import caller_signal_handlers_kept, elastic_logs_quiet
@@ -111,12 +111,21 @@ def run_agent(
 ) -> None:
     """Run ``python ARGS`` in ``nproc`` workers on this node as part of a multi-node world.
 
-    Raises elastic's ``ChildFailedError`` when a worker fails and ``SignalException`` when this
+    The workers reach the other machines through the interface that routes to node 0 (unless
+    the user named one, see ``autoddp.network``); one start-up line says which. Raises
+    elastic's ``ChildFailedError`` when a worker fails and ``SignalException`` when this
     launcher is stopped; elastic has then stopped the local workers.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    host, _ = _split_endpoint(nodes.endpoint or "")
+    net = network.choose(host, os.environ)
+    rdzv_configs: dict[str, Any] = {"rank": nodes.node_rank} if nodes.backend == "static" else {}
+    route = net.route
+    if nodes.backend == "c10d" and route is not None and route.owns_address:
+        # This machine owns the endpoint's address; torch recognises it only by the host name.
+        rdzv_configs["is_host"] = True
     config = LaunchConfig(
         min_nodes=nodes.min_nodes,
         max_nodes=nodes.max_nodes,
@@ -124,28 +133,42 @@ def run_agent(
         run_id=nodes.run_id,
         rdzv_backend=nodes.backend,
         rdzv_endpoint=nodes.endpoint or "",
-        rdzv_configs={"rank": nodes.node_rank} if nodes.backend == "static" else {},
+        rdzv_configs=rdzv_configs,
         max_restarts=max_restarts,
         monitor_interval=monitor_interval,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+        # The address the other nodes' workers are given for this node (else its host name).
+        local_addr=route.local_address if route is not None and route.interface else None,
     )
-    with elastic_logs_quiet(), _omp_threads_for(nproc):
+    say(_start_line(nodes, nproc, net))
+    with elastic_logs_quiet(), _worker_environment(nproc, net.variables):
         elastic_launch(config, entrypoint=sys.executable)(*args)
 
 
+def _start_line(nodes: Nodes, nproc: int, net: network.Choice) -> str:
+    where = f"node {nodes.node_rank} of {nodes.max_nodes}" if nodes.backend == "static" else "this node"
+    if nodes.backend == "c10d" and nodes.min_nodes != nodes.max_nodes:
+        where += f" ({nodes.min_nodes} to {nodes.max_nodes} nodes)"
+    return f"{where}, {nproc} worker(s) here, {nodes.backend} rendezvous at {nodes.endpoint}; {net.summary}"
+
+
 @contextlib.contextmanager
-def _omp_threads_for(nproc: int) -> Iterator[None]:
-    """``OMP_NUM_THREADS`` for the agent's workers while it runs (they inherit this environment)."""
+def _worker_environment(nproc: int, variables: Mapping[str, str]) -> Iterator[None]:
+    """``OMP_NUM_THREADS`` and the network variables for the agent's workers while it runs.
+
+    Elastic's agent gives its workers a copy of this process's environment, so they are set
+    here for the agent's run only and removed afterwards.
+    """
     threads = hardware.omp_threads(nproc)
-    if threads is None:
-        yield
-        return
-    os.environ["OMP_NUM_THREADS"] = threads
+    added = {**variables, **({"OMP_NUM_THREADS": threads} if threads is not None else {})}
+    added = {name: value for name, value in added.items() if name not in os.environ}
+    os.environ.update(added)
     try:
         yield
     finally:
-        os.environ.pop("OMP_NUM_THREADS", None)
+        for name in added:
+            os.environ.pop(name, None)
 
 
 def describe_failure(error: Any, world_size: int) -> str:
