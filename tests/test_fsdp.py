@@ -229,7 +229,8 @@ def test_one_process_runs_unsharded_with_a_note():
             prepared = autoddp.prepare(model)
         return type(prepared).__name__, [str(w.message)[:40] for w in caught]
 
-    name, notes = train(Net())
+    with pytest.warns(UserWarning, match="strategy='fsdp' with one process"):  # preparing the argument
+        name, notes = train(Net())
     assert name == "Net" and notes == ["strategy='fsdp' with one process: there "]
 
 
