@@ -97,3 +97,8 @@ def compile_in_place(module: torch.nn.Module, context: Any) -> None:
 def run_atexit_hooks() -> None:
     """Run the interpreter's atexit hooks now (a worker then leaves with ``os._exit``)."""
     _need(atexit, "_run_exitfuncs", "to run atexit hooks before a fast exit")()
+
+
+def clear_atexit_hooks() -> None:
+    """Forget the atexit hooks inherited from the process this one was forked from."""
+    _need(atexit, "_clear", "to drop a forked worker's inherited atexit hooks")()

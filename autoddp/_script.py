@@ -16,19 +16,22 @@ an open gloo group can abort the exit.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import gc
 import json
 import os
 import runpy
+import signal
 import sys
+import threading
 import types
 from typing import Any
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from autoddp import _worker, capture, environment, hardware, process_group, transport
+from autoddp import _compat, _worker, capture, environment, hardware, process_group, transport
 from autoddp.state import RunOptions, World
 
 
@@ -110,10 +113,18 @@ def _run_captured(argv: list[str]) -> None:
             session.uninstall()
 
 
-def main() -> None:
+def main(leave_groups_at_exit: bool = True) -> None:
+    """Run the script named in ``sys.argv`` as this interpreter's program.
+
+    ``leave_groups_at_exit``: end the process groups the script left open at exit. A forked
+    worker leaves with ``os._exit`` (no interpreter teardown, so no abort of gloo's threads to
+    prevent), and ending the group there would leave the script's own DDP to be freed after its
+    group, when atexit lets go of the script's hooks (a deadlock in gloo).
+    """
     _worker.die_with_parent()
-    # Registered before the script runs, so it runs after the script's own atexit hooks.
-    atexit.register(_leave_cleanly)
+    if leave_groups_at_exit:
+        # Registered before the script runs, so it runs after the script's own atexit hooks.
+        atexit.register(_leave_cleanly)
     try:
         _run_captured(sys.argv[1:])
     except SystemExit as stop:
@@ -133,6 +144,41 @@ def main() -> None:
         sys.excepthook(type(exc), exc, exc.__traceback__)
         sys.exit(1)
     _ended(well=True)
+
+
+def run_forked(argv: list[str]) -> None:
+    """Entry point of a worker forked from the ``autoddp`` command (its fast start): run the script
+    as ``python -m autoddp._script ARGV`` would, then leave as that interpreter would.
+
+    Returns only on success, as elastic expects; the exit status otherwise. The command's own
+    atexit hooks and signal handlers are not the script's: dropped first (the script's atexit
+    hooks run at its end); what the command's process holds is frozen away from the garbage
+    collector (a loopback store's server thread lives there).
+    """
+    gc.freeze()
+    _compat.clear_atexit_hooks()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+    sys.argv = [sys.argv[0], *argv]
+    code: Any = 0
+    try:
+        main(leave_groups_at_exit=False)
+    except SystemExit as stop:
+        code = stop.code
+    if isinstance(code, str):  # as the interpreter does for sys.exit("message")
+        print(code, file=sys.stderr)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    _compat.run_atexit_hooks()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    if code:
+        os._exit(int(code) if isinstance(code, int) else 1)
 
 
 #: Whether the script ended well (after an error the group is left alone: others may still use it).

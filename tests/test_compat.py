@@ -100,6 +100,19 @@ def test_compiled_parts_and_compiling_the_module_in_place():
     assert torch.equal(inner(x), torch.nn.functional.linear(x, plain.weight, plain.bias))
 
 
+def test_inherited_atexit_hooks_can_be_dropped():
+    code = (
+        "import atexit, os\n"
+        "from autoddp import _compat\n"
+        "atexit.register(lambda: print('parent hook', flush=True))\n"
+        "_compat.clear_atexit_hooks()\n"
+        "atexit.register(lambda: print('own hook', flush=True))\n"
+    )
+    result = run_python(["-c", code])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "own hook\n"
+
+
 def test_atexit_hooks_run_before_a_fast_exit():
     code = (
         "import atexit, os\n"

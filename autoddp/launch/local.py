@@ -96,16 +96,28 @@ def launch_script(
     poll_seconds: float = POLL_SECONDS,
     output: Output | None = None,
 ) -> None:
-    """Run a script (``python -m autoddp._script ARGV``) in ``nproc`` fresh interpreters.
+    """Run a script (as ``python -m autoddp._script ARGV`` would) in ``nproc`` workers.
 
     The ``autoddp`` command's single-node engine: the same supervision, loopback store and
-    restarts as the decorator. Raises the first failure (the worker printed its traceback).
+    restarts as the decorator. Workers are forked from this process, which has imported torch
+    already (and what DDP construction imports), where CUDA is untouched; else they start as
+    fresh interpreters. Raises the first failure (the worker printed its traceback).
     """
+    method, _ = choose_start_method("auto", None)
+    if method == "fork":
+        from autoddp import _script  # (not at the top: `python -m autoddp._script` must find it new)
 
-    def workers(folder: str) -> tuple[Any, dict[int, tuple]]:
-        return sys.executable, {r: ("-m", "autoddp._script", *argv) for r in range(nproc)}
+        preload_for_forked_workers((), {}, capture=True)
 
-    _with_restarts(workers, nproc, "spawn", max_restarts, poll_seconds, output)
+        def workers(folder: str) -> tuple[Any, dict[int, tuple]]:
+            return _script.run_forked, {r: (list(argv),) for r in range(nproc)}
+
+    else:
+
+        def workers(folder: str) -> tuple[Any, dict[int, tuple]]:
+            return sys.executable, {r: ("-m", "autoddp._script", *argv) for r in range(nproc)}
+
+    _with_restarts(workers, nproc, method, max_restarts, poll_seconds, output)
 
 
 def _with_restarts(

@@ -16,7 +16,7 @@ from autoddp.process_group import Backend
 START_METHODS = ("auto", "fork", "spawn")
 
 
-def choose_start_method(requested: str, backend: Backend) -> tuple[str, str]:
+def choose_start_method(requested: str, backend: Backend | None = None) -> tuple[str, str]:
     """Resolve ``start_method`` to ``"fork"`` or ``"spawn"``, with the reason for the choice."""
     if requested not in START_METHODS:
         raise ConfigurationError(
