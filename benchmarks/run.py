@@ -25,6 +25,7 @@ The contenders are small scripts in this folder:
   DDP with a DistributedSampler, in the same processes;
 - ``call_overhead.py``: the decorator's cost per call with one process;
 - ``result_transfer.py``: returning a large tensor from rank 0, against torch.save + torch.load;
+- ``repeated_call.py``: repeated decorated calls in one session, passing a model or nothing;
 - ``memory.py``: peak memory per rank and step time of hand-written DDP, autoddp's DDP and
   strategy="fsdp".
 """
@@ -80,11 +81,13 @@ class Settings:
     transfer_mib: int = 0  # size of the tensor returned by the result-transfer rows (0: not measured)
     transfer_repeats: int = 0
     fsdp_rounds: int = 0  # strategy="fsdp" against "ddp": rounds of fresh launches (0: not measured)
+    launch_rounds_wide: int = 0  # rounds of the 8-process launches (0: not measured)
     step_control: bool = False  # also time DDP against itself (the A/A noise floor); doubles that part
 
 
 FULL = Settings(
     launch_rounds=7,
+    launch_rounds_wide=5,
     step_pairs=1000,
     step_warmup_blocks=20,
     import_repeats=10,
@@ -97,6 +100,7 @@ FULL = Settings(
 )
 QUICK = Settings(
     launch_rounds=5,
+    launch_rounds_wide=2,
     step_pairs=300,
     step_warmup_blocks=10,
     import_repeats=5,
@@ -301,6 +305,13 @@ def measure_step_time(nproc: int, pairs: int, warmup_blocks: int, control: bool)
     return last_json_line(out)
 
 
+def measure_repeated_call(nproc: int, repeats: int) -> dict[str, Any]:
+    """Run ``repeated_call.py``: repeated decorated calls passing a model against passing nothing."""
+    command = [sys.executable, str(HERE / "repeated_call.py"), f"--repeats={repeats}", f"--nproc={nproc}"]
+    _, _, out = run_command(command, timeout=300)
+    return last_json_line(out)
+
+
 def measure_fsdp(nproc: int, rounds: int) -> dict[str, Any]:
     """Run ``memory.py``: peak memory per rank and step time of hand-written DDP, autoddp, FSDP."""
     command = [sys.executable, str(HERE / "memory.py"), f"--rounds={rounds}", f"--nproc={nproc}"]
@@ -408,47 +419,58 @@ class Table:
                 print(f"{label:{width}}  {low:>9}  {mid:>9}  {unit}")
 
 
+def _launch_summary(table: Table, launch: dict[str, list[Launch]], nproc: int, suffix: str) -> dict[str, Any]:
+    """The launch rows for ``nproc`` processes; keys end with ``suffix`` (none for the main run)."""
+    result: dict[str, Any] = {}
+    rounds = len(launch["torchrun"])
+    table.section(
+        f"Launch of {nproc} processes, seconds from the command's start ({rounds} interleaved rounds)"
+    )
+    for field, what in (("first_step_s", "first step"), ("exit_s", "exit")):
+        for name, label in LAUNCH_LABELS.items():
+            table.row(f"{what:10}  {label}", [getattr(x, field) for x in launch[name]], "s")
+    table.section(f"Worker memory, {nproc} processes, MiB (largest rank)")
+    for field, what in (("worker_hwm_kb", "peak RSS"), ("worker_pss_kb", "PSS at end")):
+        for name, label in LAUNCH_LABELS.items():
+            table.row(f"{what:10}  {label}", [getattr(x, field) / 1024 for x in launch[name]], "MiB", 0)
+    table.section(f"Launch ratios against torchrun, {nproc} processes, per round (lower is better)")
+    for key, name, field, label in (
+        ("first_step_ratio_vs_torchrun", "decorator", "first_step_s", "first step, decorator"),
+        ("exit_ratio_vs_torchrun", "decorator", "exit_s", "exit, decorator"),
+        ("cli_first_step_ratio_vs_torchrun", "cli", "first_step_s", "first step, autoddp command"),
+        ("cli_exit_ratio_vs_torchrun", "cli", "exit_s", "exit, autoddp command"),
+        ("worker_rss_ratio_vs_torchrun", "decorator", "worker_hwm_kb", "worker peak RSS, decorator"),
+        ("cli_worker_rss_ratio_vs_torchrun", "cli", "worker_hwm_kb", "worker peak RSS, autoddp command"),
+        ("worker_pss_ratio_vs_torchrun", "decorator", "worker_pss_kb", "worker PSS, decorator"),
+        ("cli_worker_pss_ratio_vs_torchrun", "cli", "worker_pss_kb", "worker PSS, autoddp command"),
+    ):
+        median, low = paired_ratio(launch, name, field)
+        table.figures(label, low, median, "x", 3)
+        result[key + suffix] = round(median, 3)
+    result["first_step_ratio_vs_torchrun_min" + suffix] = round(
+        paired_ratio(launch, "decorator", "first_step_s")[1], 3
+    )
+    result["first_step_s_median" + suffix] = {
+        name: round(statistics.median(x.first_step_s for x in runs), 3) for name, runs in launch.items()
+    }
+    return result
+
+
 def summary(
     table: Table,
-    launch: dict[str, list[Launch]] | None,
+    launch: dict[int, dict[str, list[Launch]]] | None,
     steps: dict[str, Any] | None,
     imports: dict[str, list[float]],
     calls: dict[str, list[float]],
     transfer: dict[str, Any] | None = None,
     capture: dict[str, Any] | None = None,
     fsdp: dict[str, Any] | None = None,
+    repeated: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Fill the table and return the JSON summary (None for figures not measured)."""
     result: dict[str, Any] = {}
-    if launch:
-        rounds = len(launch["torchrun"])
-        table.section(f"Launch, seconds from the command's start ({rounds} interleaved rounds)")
-        for field, what in (("first_step_s", "first step"), ("exit_s", "exit")):
-            for name, label in LAUNCH_LABELS.items():
-                table.row(f"{what:10}  {label}", [getattr(x, field) for x in launch[name]], "s")
-        table.section("Worker memory, MiB (largest rank)")
-        for field, what in (("worker_hwm_kb", "peak RSS"), ("worker_pss_kb", "PSS at end")):
-            for name, label in LAUNCH_LABELS.items():
-                table.row(f"{what:10}  {label}", [getattr(x, field) / 1024 for x in launch[name]], "MiB", 0)
-        table.section("Launch ratios against torchrun, per round (lower is better)")
-        for key, name, field, label in (
-            ("first_step_ratio_vs_torchrun", "decorator", "first_step_s", "first step, decorator"),
-            ("exit_ratio_vs_torchrun", "decorator", "exit_s", "exit, decorator"),
-            ("cli_first_step_ratio_vs_torchrun", "cli", "first_step_s", "first step, autoddp command"),
-            ("cli_exit_ratio_vs_torchrun", "cli", "exit_s", "exit, autoddp command"),
-            ("worker_rss_ratio_vs_torchrun", "decorator", "worker_hwm_kb", "worker peak RSS, decorator"),
-            ("cli_worker_rss_ratio_vs_torchrun", "cli", "worker_hwm_kb", "worker peak RSS, autoddp command"),
-            ("worker_pss_ratio_vs_torchrun", "decorator", "worker_pss_kb", "worker PSS, decorator"),
-        ):
-            median, low = paired_ratio(launch, name, field)
-            table.figures(label, low, median, "x", 3)
-            result[key] = round(median, 3)
-        result["first_step_ratio_vs_torchrun_min"] = round(
-            paired_ratio(launch, "decorator", "first_step_s")[1], 3
-        )
-        result["first_step_s_median"] = {
-            name: round(statistics.median(x.first_step_s for x in runs), 3) for name, runs in launch.items()
-        }
+    for nproc, runs in (launch or {}).items():
+        result.update(_launch_summary(table, runs, nproc, suffix="" if nproc == min(launch) else f"_{nproc}"))
     if steps:
         table.section("Steady-state step time, autoddp.prepare vs hand-written DDP + DistributedSampler")
         for size, figures in steps.items():
@@ -545,6 +567,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     mode.add_argument("--quick", action="store_true", help="fewer repeats: about 2-3 minutes")
     mode.add_argument("--selftest", action="store_true", help="import and call overhead only (seconds)")
     parser.add_argument("--nproc", type=int, default=2, help="processes per launch (default 2)")
+    parser.add_argument("--wide", type=int, default=8, help="processes of the wide launch rows (default 8)")
     args = parser.parse_args(argv)
     settings = SELFTEST if args.selftest else QUICK if args.quick else FULL
     began = time.monotonic()
@@ -559,7 +582,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         warm = "import torch, torch._dynamo, torch.distributed.run, autoddp, autoddp.cli"
         run_command([sys.executable, "-c", warm], timeout=300)
         progress("warm-up done")
-        launch = measure_launch(args.nproc, settings.launch_rounds, progress)
+        launch = {args.nproc: measure_launch(args.nproc, settings.launch_rounds, progress)}
+        if settings.launch_rounds_wide and args.wide > args.nproc:
+            launch[args.wide] = measure_launch(args.wide, settings.launch_rounds_wide, progress)
     capture = None
     if settings.step_pairs:
         progress("steady-state step time")
@@ -576,13 +601,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         progress(f"returning a {settings.transfer_mib} MiB tensor")
         transfer = measure_result_transfer(settings.transfer_mib, settings.transfer_repeats)
 
+    repeated = None
+    if settings.launch_rounds:
+        progress("repeated decorated calls")
+        repeated = measure_repeated_call(args.nproc, settings.launch_rounds)
     fsdp = None
     if settings.fsdp_rounds:
         progress("strategy='fsdp' against 'ddp'")
         fsdp = measure_fsdp(args.nproc, settings.fsdp_rounds)
 
     table = Table()
-    figures = summary(table, launch, steps, imports, calls, transfer, capture, fsdp)
+    figures = summary(table, launch, steps, imports, calls, transfer, capture, fsdp, repeated)
     mode_name = "selftest" if args.selftest else "quick" if args.quick else "full"
     print(f"autoddp benchmarks ({mode_name}): {machine['device']}, {machine['cpu_cores']} CPU cores,")
     print(f"  {machine['platform']}, Python {machine['python']}, torch {machine['torch']}")

@@ -85,8 +85,11 @@ def test_summary_of_launch_and_step_figures():
     steps = {"small": {"pairs": 4, "wall": figures, "cpu": figures, "control": figures}}
     table = run.Table()
     calls = {"number_argument_us": [10.0, 12.0], "model_and_loader_us": [50.0, 60.0]}
-    result = run.summary(table, launch, steps, {"torch_ms": [900.0], "autoddp_ms": [30.0]}, calls)
+    wide = {name: runs[:1] for name, runs in launch.items()}  # the 8-process rows
+    launches = {2: launch, 8: wide}
+    result = run.summary(table, launches, steps, {"torch_ms": [900.0], "autoddp_ms": [30.0]}, calls)
     assert result["first_step_ratio_vs_torchrun"] == pytest.approx((0.5 + 0.6) / 2)  # median of per-round
+    assert result["first_step_ratio_vs_torchrun_8"] == pytest.approx(0.5)
     assert result["first_step_ratio_vs_torchrun_min"] == 0.5
     assert result["worker_rss_ratio_vs_torchrun"] == pytest.approx((0.9 + 1.0) / 2)
     assert result["step_time_ratio_small"] == pytest.approx(1.05)
