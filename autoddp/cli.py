@@ -10,8 +10,11 @@ import sys
 
 import click
 
-from autoddp import environment, hardware, launch
+from autoddp import environment, hardware
 from autoddp.errors import ConfigurationError, WorkerError
+from autoddp.launch import in_place, local, nodes
+from autoddp.launch import output as launch_output
+from autoddp.launch import plan as launch_plan
 
 _CONTEXT = {
     "help_option_names": ["-h", "--help"],
@@ -241,7 +244,7 @@ def main(
     _check_target(script, as_module)
     count = _process_count(nproc)
     try:
-        plan = launch.plan(nnodes, node_rank, master, rdzv_endpoint, rdzv_backend, rdzv_id)
+        plan = launch_plan.plan(nnodes, node_rank, master, rdzv_endpoint, rdzv_backend, rdzv_id)
     except ConfigurationError as error:
         _fail(str(error))
     if strategy != "fsdp" and (fsdp_blocks or mixed_precision or cpu_offload):
@@ -261,7 +264,7 @@ def main(
     ]
     if plan.multi:
         sys.exit(_launch_nodes(plan, count, argv, max_restarts, monitor_interval))
-    output = launch.Output(ranks, log_dir)
+    output = launch_output.Output(ranks, log_dir)
     try:
         output.shown(count)
     except ConfigurationError as error:
@@ -284,14 +287,14 @@ def _env_report(master: str | None, args: tuple[str, ...]) -> None:
 
 
 def _launch_nodes(
-    plan: launch.Nodes, nproc: int, argv: list[str], max_restarts: int, monitor_interval: float
+    plan: launch_plan.Nodes, nproc: int, argv: list[str], max_restarts: int, monitor_interval: float
 ) -> int:
     """This machine's share of a multi-node run, through elastic's agent and rendezvous."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        launch.run_agent(
+        nodes.run_agent(
             plan,
             nproc,
             ["-m", "autoddp._script", *argv],
@@ -302,7 +305,7 @@ def _launch_nodes(
         _fail(str(error))
     except ChildFailedError as error:
         click.echo(
-            f"autoddp: {launch.describe_failure(error, nproc * plan.max_nodes)}; its traceback is above",
+            f"autoddp: {nodes.describe_failure(error, nproc * plan.max_nodes)}; its traceback is above",
             err=True,
         )
         return 1
@@ -313,18 +316,18 @@ def _launch_nodes(
 
 
 def _launch(
-    nproc: int, argv: list[str], max_restarts: int, monitor_interval: float, output: launch.Output
+    nproc: int, argv: list[str], max_restarts: int, monitor_interval: float, output: launch_output.Output
 ) -> int:
     """Run the script once per process on this machine; the exit status of the command."""
     env = environment.detect()
     if env.launched:
         # Already one process of a distributed run (srun, mpirun, torchrun): no second layer.
         try:
-            launch.exec_script(argv, env.world())
+            in_place.exec_script(argv, env.world())
         except ConfigurationError as error:
             _fail(str(error))
     try:
-        launch.launch_script(
+        local.launch_script(
             argv, nproc=nproc, max_restarts=max_restarts, poll_seconds=monitor_interval, output=output
         )
     except KeyboardInterrupt:  # Ctrl-C: the workers are stopped and one line was printed
@@ -335,7 +338,7 @@ def _launch(
         click.echo(f"autoddp: {error}", err=True)
         return 1
     except Exception as error:  # a worker failed: it printed its own traceback
-        click.echo(f"autoddp: {launch.one_line(error)} (its traceback is above)", err=True)
+        click.echo(f"autoddp: {launch_output.one_line(error)} (its traceback is above)", err=True)
         return 1
     return 0
 

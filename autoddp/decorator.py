@@ -12,8 +12,11 @@ from typing import Any, TypeVar, overload
 
 import wrapt
 
-from autoddp import _warn, environment, hardware, launch, models, process_group, streams
+from autoddp import _warn, environment, hardware, models, process_group, streams
 from autoddp.errors import ConfigurationError
+from autoddp.launch import output as launch_output
+from autoddp.launch import plan as launch_plan
+from autoddp.launch import start_method as launch_start
 from autoddp.models import fsdp
 from autoddp.preparation import prepare
 from autoddp.running import Job, run_in_world
@@ -58,7 +61,7 @@ class Options:
                 "nproc=2, or leave it unset for one process per visible GPU (1 without GPUs)"
             )
         process_group.resolve_backend(self.backend, gpus=1)  # the name only; GPUs are checked per call
-        if self.start_method not in launch.START_METHODS:
+        if self.start_method not in launch_start.START_METHODS:
             raise ConfigurationError(
                 f"unknown start_method {self.start_method!r}: use 'auto' (default), 'fork' or 'spawn'"
             )
@@ -116,12 +119,12 @@ class Options:
         return cls(**options)
 
     @property
-    def nodes(self) -> launch.Nodes:
-        return launch.plan(self.nnodes, self.node_rank, self.master, rdzv_backend=self.rdzv_backend)
+    def nodes(self) -> launch_plan.Nodes:
+        return launch_plan.plan(self.nnodes, self.node_rank, self.master, rdzv_backend=self.rdzv_backend)
 
     @property
-    def output(self) -> launch.Output:
-        return launch.Output(self.ranks, self.log_dir)
+    def output(self) -> launch_output.Output:
+        return launch_output.Output(self.ranks, self.log_dir)
 
     @property
     def run_options(self) -> RunOptions:
@@ -251,10 +254,14 @@ def _call(options: Options, wrapped: Callable[..., Any], instance: Any, args: tu
     if plan.multi or nproc > 1:
         job.streams = streams.of_caller()
     if plan.multi:
-        return launch.launch_nodes(job, plan=plan, nproc=nproc, max_restarts=options.max_restarts)
+        from autoddp.launch import nodes  # (the launch machinery loads when it is first needed)
+
+        return nodes.launch_nodes(job, plan=plan, nproc=nproc, max_restarts=options.max_restarts)
     if nproc == 1:
         return run_in_world(job, env.world(), finish=prepare)
-    return launch.launch_function(
+    from autoddp.launch import local
+
+    return local.launch_function(
         job,
         nproc=nproc,
         start_method=options.start_method,

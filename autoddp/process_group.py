@@ -11,7 +11,6 @@ import sys
 
 import torch
 
-from autoddp import network
 from autoddp.errors import ConfigurationError
 from autoddp.state import CURRENT, RunOptions, World
 
@@ -210,6 +209,8 @@ def _name_interface(world: World) -> None:
     (where gloo and NCCL read them), unless the user set either; local rank 0 says which.
     """
     assert world.master_addr is not None
+    from autoddp import network  # (multi-machine worlds only)
+
     choice = network.choose(world.master_addr, os.environ)
     if choice.variables:
         os.environ.update(choice.variables)

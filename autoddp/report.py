@@ -245,7 +245,8 @@ def _backend(gpus: int) -> str:
 
 
 def _start_method(gpus: int) -> str:
-    from autoddp import launch, process_group
+    from autoddp import process_group
+    from autoddp.launch import start_method as launch
 
     method, reason = launch.choose_start_method("auto", process_group.resolve_backend(None, gpus))
     return f"{method} ({reason})"

@@ -9,6 +9,7 @@ of several processes the call runs under ``autoddp.capture`` (unless the run tur
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from autoddp import _containers, capture, models, process_group, streams
+from autoddp import _containers, models, process_group, streams
 from autoddp.preparation import prepare
 from autoddp.state import CURRENT, RunOptions, World
 
@@ -51,13 +52,22 @@ def run_in_world(job: Job, world: World, finish: Callable[[Any], Any]) -> Any:
             CURRENT.seeds = (streams.seed_worker(job.streams, world.rank), job.streams.torch_initial_seed)
         try:
             args, kwargs = prepare(job.args), prepare(job.kwargs)
-            with capture.capturing(job.options, CURRENT.world or world):
+            with _capturing(job.options, CURRENT.world or world):
                 result = job.fn(*args, **kwargs)
             del args, kwargs
             return finish(result)
         finally:
             CURRENT.function = previous
             CURRENT.seeds = None
+
+
+def _capturing(options: RunOptions, world: World) -> contextlib.AbstractContextManager[None]:
+    """Capture for the call in a world of several processes (loaded only there)."""
+    if world.world_size <= 1 or not options.capture:
+        return contextlib.nullcontext()
+    from autoddp import capture
+
+    return capture.capturing(options, world)
 
 
 def _where(fn: Callable[..., Any]) -> tuple[str, int] | None:

@@ -510,6 +510,12 @@ def summary(
             round(wall["ratio_ci_low"], 3),
             round(wall["ratio_ci_high"], 3),
         ]
+    if repeated:
+        table.section("Repeated decorated calls in one session (a notebook), seconds per call")
+        table.row("passed nothing", repeated["empty_call_s"], "s")
+        table.row("passed a model (its workers build a DDP)", repeated["model_call_s"], "s")
+        table.figures("ratio of medians", None, repeated["ratio"], "x", 3)
+        result["repeated_call_ratio_model_vs_empty"] = round(repeated["ratio"], 3)
     if fsdp:
         table.section(
             f"strategy='fsdp' vs 'ddp', Adam on an MLP of {fsdp['parameters'] / 1e6:.1f}M parameters"

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from autoddp import ConfigurationError
-from autoddp.launch import nodes
+from autoddp.launch import plan as nodes
 from conftest import write
 
 
