@@ -157,6 +157,7 @@ def run_forked(argv: list[str]) -> None:
     """
     gc.freeze()
     _compat.clear_atexit_hooks()
+    _fresh_random_streams()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
@@ -173,12 +174,32 @@ def run_forked(argv: list[str]) -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    _compat.run_atexit_hooks()
+    _compat.run_atexit_hooks()  # the script's own; letting go of them frees what they held
+    if not code and _ENDED_WELL[0]:
+        # A rank that is done must not keep its connections open while it waits for elastic to
+        # collect the others: a peer still in a collective with it would wait, not fail.
+        gc.collect()
+        _leave_cleanly()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     if code:
         os._exit(int(code) if isinstance(code, int) else 1)
+
+
+def _fresh_random_streams() -> None:
+    """Seed torch, ``random`` and NumPy from the system, as a fresh interpreter starts them.
+
+    A forked worker would otherwise draw the command process's numbers, the same on every rank;
+    under torchrun, ranks of a script that does not seed draw different ones.
+    """
+    import random
+
+    torch.seed()
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
 
 
 #: Whether the script ended well (after an error the group is left alone: others may still use it).

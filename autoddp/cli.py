@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
 import os
@@ -51,6 +52,13 @@ def _process_count(value: str | None) -> int:
 def _check_target(target: str | None, as_module: bool) -> None:
     if target is None:
         _fail("no script given: autoddp [OPTIONS] script.py [ARGS]... (see autoddp --help)")
+    if target.startswith("-") and not os.path.exists(target):
+        known = [opt for param in main.params for opt in param.opts + param.secondary_opts]
+        close = difflib.get_close_matches(target.split("=", 1)[0], known, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        _fail(
+            f"unknown option {target!r}{hint} (autoddp's options come before the script; see autoddp --help)"
+        )
     if as_module:
         sys.path.insert(0, os.getcwd())
         try:
@@ -190,6 +198,11 @@ def _check_target(target: str | None, as_module: bool) -> None:
 )
 @click.option("--cpu-offload", is_flag=True, help="FSDP: keep parameter shards on the CPU.  [default: off]")
 @click.option(
+    "--find-unused-parameters",
+    is_flag=True,
+    help="DDP: allow parameters that get no gradient in a step (slower).  [default: off]",
+)
+@click.option(
     "--capture/--no-capture",
     default=True,
     show_default=True,
@@ -218,6 +231,7 @@ def main(
     fsdp_blocks: str | None,
     mixed_precision: str | None,
     cpu_offload: bool,
+    find_unused_parameters: bool,
     capture: bool,
     script: str | None,
     script_args: tuple[str, ...],
@@ -254,18 +268,19 @@ def main(
         "fsdp_blocks": [b.strip() for b in (fsdp_blocks or "").split(",") if b.strip()],
         "mixed_precision": mixed_precision,
         "cpu_offload": cpu_offload,
+        "ddp_kwargs": {"find_unused_parameters": True} if find_unused_parameters else {},
     }
     argv = [
         *([] if capture else ["--no-capture"]),
-        *(["--run-options", json.dumps(run_options)] if strategy != "ddp" else []),
+        *(["--run-options", json.dumps(run_options)] if strategy != "ddp" or find_unused_parameters else []),
         *(["--module"] if as_module else []),
         script,
         *script_args,
     ]
     if plan.multi:
         sys.exit(_launch_nodes(plan, count, argv, max_restarts, monitor_interval))
-    output = launch_output.Output(ranks, log_dir)
     try:
+        output = launch_output.Output(ranks, log_dir)
         output.shown(count)
     except ConfigurationError as error:
         _fail(str(error))

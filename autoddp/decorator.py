@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, overload
 
 import wrapt
+from torch.nn.parallel import DistributedDataParallel
 
 from autoddp import _warn, environment, hardware, models, process_group, streams
 from autoddp.errors import ConfigurationError
@@ -71,6 +72,15 @@ class Options:
                 raise ConfigurationError(
                     f"ddp={self.ddp!r} must be a dict of DistributedDataParallel keyword arguments, "
                     'e.g. ddp={"find_unused_parameters": True}'
+                )
+            accepted = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self"}
+            unknown = sorted(set(self.ddp) - accepted)
+            if unknown:
+                close = difflib.get_close_matches(unknown[0], sorted(accepted), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigurationError(
+                    f"ddp= has {', '.join(map(repr, unknown))}, which DistributedDataParallel does not "
+                    f"take{hint}"
                 )
             reserved = sorted(set(self.ddp) & {"module", "device_ids", "output_device", "process_group"})
             if reserved:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from autoddp import _containers, models, process_group, streams
+from autoddp.models import optimizers as model_optimizers
 from autoddp.preparation import prepare
 from autoddp.state import CURRENT, RunOptions, World
 
@@ -77,9 +78,12 @@ def _where(fn: Callable[..., Any]) -> tuple[str, int] | None:
 
 
 def portable(value: Any) -> Any:
-    """``value`` fit for another process: tensors detached on the CPU, models plain on the CPU."""
+    """``value`` fit for another process: tensors detached on the CPU, models plain on the CPU.
+
+    A sharded tensor (FSDP's DTensor, in a state dict say) is gathered whole: every rank calls this.
+    """
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
+        return model_optimizers.full_tensors(value.detach()).cpu()
     if isinstance(value, torch.nn.Module):
         return models.portable(value)
     return _containers.map_items(value, portable)

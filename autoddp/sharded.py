@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 import uuid
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -46,7 +47,11 @@ def save(obj: Mapping[str, Any], folder: str) -> None:
 
         dist.broadcast_object_list(token, src=0)  # one temporary folder for every rank
     partial = f"{final}{_PARTIAL}{token[0]}"
-    dcp.save(state, checkpoint_id=partial, no_dist=world.world_size == 1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=".*torch.distributed is disabled.*"
+        )  # one process: as meant
+        dcp.save(state, checkpoint_id=partial, no_dist=world.world_size == 1)
     barrier()
     if world.rank == 0:
         old = None

@@ -5,8 +5,9 @@ patches it installs and removes around that code only:
 
 - ``torch.optim.Optimizer.__init__``: the modules owning the optimizer's parameters are wrapped as
   ``prepare`` wraps them, where they are (``optimizers``);
-- ``DataLoader.__iter__``: a random loader is sharded at its first iteration, an ordered one left
-  whole (``loaders``);
+- ``DataLoader.__iter__`` and ``__len__``: a random loader is sharded at its first iteration (or
+  when its length is first asked, as a scheduler's steps per epoch), an ordered one left whole
+  (``loaders``);
 - ``torch.save`` to a path: written once, by rank 0, atomically (``saves``);
 - ``DistributedDataParallel.__init__``: a user's own DDP around a captured model takes over from
   autoddp's (never two);
@@ -70,6 +71,7 @@ class Session:
         self.registry.install()
         self._patch(torch.optim.Optimizer, "__init__", self._optimizer_init)
         self._patch(DataLoader, "__iter__", self._loader_iter)
+        self._patch(DataLoader, "__len__", self._loader_len)
         self._patch(torch.nn.parallel.DistributedDataParallel, "__init__", self._ddp_init)
         for owner in (torch, torch.serialization):
             self._patch(owner, "save", self._save)
@@ -120,6 +122,7 @@ class Session:
             params = self._distribute_models(params)
             original(optimizer, params, *args, **kwargs)
             model_optimizers.bind(optimizer)  # over sharded parameters: full state loads into shards
+            models.guard_optimizer(optimizer)  # steps DDP did not see still get averaged gradients
 
         return __init__
 
@@ -160,6 +163,16 @@ class Session:
             return original(loader)
 
         return __iter__
+
+    def _loader_len(self, original: Any) -> Any:
+        def __len__(loader: DataLoader) -> int:
+            # len(loader) before the first pass (a scheduler's steps per epoch) is this rank's share
+            if not self.busy and not loader.__dict__.get("_autoddp_seen"):
+                loader.__dict__["_autoddp_seen"] = True
+                self._shard(loader, user_site(sys._getframe(1)))
+            return original(loader)
+
+        return __len__
 
     def _shard(self, loader: DataLoader, site: tuple[str, int]) -> None:
         kind = loaders.kind(loader)

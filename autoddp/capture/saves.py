@@ -5,7 +5,9 @@ the file atomically (a temporary file in the same folder, renamed over the path)
 done; it never waits for anyone, so ``if rank == 0: torch.save(...)`` works as written. Another
 rank saving a path looks for rank 0's announcement: the same path (rank 0 writes it: wait until it
 is done, write nothing) or, at the same sequence number, another path (per-rank files: write its
-own). When neither comes within ``SETTLE_SECONDS`` it writes its own file, atomically too.
+own). A path rank 0 has saved before is rank 0's: a save of it that rank 0 does not make now (a
+rank-dependent ``if loss < best:``) writes nothing and does not wait. When none of these comes
+within ``SETTLE_SECONDS`` (a path only this rank saves) it writes its own file, atomically too.
 """
 
 from __future__ import annotations
@@ -45,11 +47,14 @@ class Saves:
             store.set(f"{_PREFIX}done/{number}", "1")
             return "written once, by rank 0"
         same, theirs = f"{_PREFIX}path/{target}/{count}", f"{_PREFIX}seq/{number}"
+        owned = f"{_PREFIX}path/{target}/0"
         deadline = time.monotonic() + SETTLE_SECONDS
         while time.monotonic() < deadline:
             if store.check([same]):
                 store.wait([f"{_PREFIX}done/{store.get(same).decode()}"])
                 return "written once, by rank 0"
+            if store.check([owned]):
+                return "written by rank 0 only (rank 0 saved this path before)"
             if store.check([theirs]) and store.get(theirs).decode() != target:
                 break  # rank 0 saved another path at this point: per-rank files
             time.sleep(_POLL_SECONDS)

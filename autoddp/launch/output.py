@@ -31,6 +31,8 @@ class Output:
             raise ConfigurationError(
                 f"log_dir={self.log_dir!r} is not a folder path; pass a path such as 'logs' (or None)"
             )
+        if self.log_dir is not None:
+            _check_writable_folder(os.fspath(self.log_dir))
         if self.ranks != "all":
             try:
                 shown = {int(r) for r in self.ranks.split(",")}
@@ -81,6 +83,21 @@ class Output:
             return DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=tee), {r: "" for r in shown}
         redirects = {r: (Std.NONE if r in shown else Std.ALL) for r in range(nproc)}
         return DefaultLogsSpecs(log_dir=log_dir, redirects=redirects), {}
+
+
+def _check_writable_folder(path: str) -> None:
+    """``path`` is a folder this user can write to, or one that can be made: else a clear error."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigurationError(
+            f"log_dir={path!r} cannot be written ({probe!r} is not a folder this user can write to); "
+            "choose another folder for the logs"
+        )
 
 
 def real_stdio() -> bool:

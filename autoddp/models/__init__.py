@@ -97,3 +97,13 @@ def release(model: torch.nn.Module) -> None:
     """Undo what autoddp's strategy did to ``model`` (it is the user's plain module again)."""
     model = unwrap(model)
     strategy_of(model).release(model)
+
+
+def guard_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Average gradients DDP did not see before ``optimizer``'s steps (``models._averaging``)."""
+    from autoddp.models import _averaging
+    from autoddp.state import CURRENT
+
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    trained = [m for m in CURRENT.wrapped_models() if any(id(p) in params for p in m.parameters())]
+    _averaging.guard(optimizer, trained)

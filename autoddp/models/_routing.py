@@ -30,7 +30,13 @@ _PRIVATE = (DDP_ATTR, REPLICA_ATTR)
 class Replica(Protocol):
     """What the swapped class needs from the state kept beside the module."""
 
-    def for_call(self, module: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel | None: ...
+    forwards: int
+
+    def for_call(
+        self, module: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
+    ) -> torch.nn.parallel.DistributedDataParallel | None: ...
+
+    def explain(self, error: RuntimeError, module: torch.nn.Module) -> BaseException: ...
 
 
 class _Routing(threading.local):
@@ -48,13 +54,19 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     replica = self.__dict__.get(REPLICA_ATTR)
     if replica is None or _ROUTING.inside or not torch.is_grad_enabled():
         return plain.__call__(self, *args, **kwargs)
-    ddp = replica.for_call(self)
+    ddp = replica.for_call(self, args, kwargs)
     if ddp is None:
         return plain.__call__(self, *args, **kwargs)
     _ROUTING.inside = True
     _ROUTING.calls += 1
+    replica.forwards += 1
     try:
         return ddp(*args, **kwargs)
+    except RuntimeError as error:
+        explained = replica.explain(error, self)
+        if explained is error:
+            raise
+        raise explained from error
     finally:
         _ROUTING.inside = False
 

@@ -78,7 +78,11 @@ class Replica:
         self.ddp_kwargs = {**DEFAULTS, **ddp_kwargs}
         self.signature: list[tuple[torch.nn.Parameter, torch.dtype, torch.device, bool]] = []
         self.registrations = -1
-        self.build(module)
+        #: Forwards routed through the DDP so far (the optimizer's guard compares, see ``guard``).
+        self.forwards = 0
+        self.lazy = _has_lazy_parameters(module)
+        if not self.lazy:
+            self.build(module)
         self.synced = False  # weights may still change before the first forward (module docstring)
 
     def build(self, module: torch.nn.Module) -> None:
@@ -94,8 +98,20 @@ class Replica:
         ddp = torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
         object.__setattr__(module, _routing.DDP_ATTR, ddp)
 
-    def for_call(self, module: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel | None:
-        """The DDP to run a forward with gradients through, up to date with the module."""
+    def for_call(
+        self, module: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
+    ) -> torch.nn.parallel.DistributedDataParallel | None:
+        """The DDP to run a forward with gradients through, up to date with the module.
+
+        A module with lazy layers (``nn.LazyLinear``) gets its parameters first: one forward of
+        these inputs in eval mode, without gradients, then rank 0's weights everywhere.
+        """
+        if self.lazy:
+            _materialize(module, args, kwargs or {})
+            self.lazy = False
+            self.build(module)
+            self.synced = True
+            return module.__dict__.get(_routing.DDP_ATTR)
         if self._changed(module):
             self.build(module)
             self.synced = True  # DDP's constructor broadcast rank 0's parameters and buffers
@@ -116,6 +132,34 @@ class Replica:
             if p.dtype is not dtype or p.requires_grad is not requires_grad or p.device != device:
                 return True
         return False
+
+    def explain(self, error: RuntimeError, module: torch.nn.Module) -> BaseException:
+        """DDP's error about parameters that got no gradient, as one naming them and the fix."""
+        if "Expected to have finished reduction in the prior iteration" not in str(error):
+            return error
+        unused = [name for name, p in module.named_parameters() if p.requires_grad and p.grad is None]
+        listed = ", ".join(unused[:6]) + (" ..." if len(unused) > 6 else "") if unused else "some"
+        return ConfigurationError(
+            f"{type(module).__name__} has parameters that take no part in computing the loss ({listed}), "
+            "and DDP waits for their gradients. Pass ddp={'find_unused_parameters': True} to "
+            "@autoddp.distributed (the command: --find-unused-parameters), or freeze them "
+            "(requires_grad_(False)) if they are not meant to train"
+        )
+
+
+def _has_lazy_parameters(module: torch.nn.Module) -> bool:
+    return any(isinstance(p, torch.nn.parameter.UninitializedParameter) for p in module.parameters())
+
+
+def _materialize(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Give lazy layers their parameters with one forward (eval mode, no gradients, nothing kept)."""
+    training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            type(module)._autoddp_plain_class.__call__(module, *args, **kwargs)
+    finally:
+        module.train(training)
 
 
 def _broadcast_from_rank0(module: torch.nn.Module) -> None:

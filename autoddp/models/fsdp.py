@@ -66,7 +66,14 @@ def units(module: torch.nn.Module, blocks: tuple[Any, ...] = ()) -> list[torch.n
     """The submodules that get their own ``fully_shard`` before the root (see the module docstring)."""
     inner = [m for m in module.modules() if m is not module]
     if blocks:
-        return [m for m in inner if _named(m, blocks)]
+        named = [m for m in inner if _named(m, blocks)]
+        if not named:
+            present = sorted({type(m).__name__ for m in inner})
+            raise ConfigurationError(
+                f"fsdp_blocks={blocks!r} names no submodule of {type(module).__name__}; its module "
+                f"classes are: {', '.join(present) or 'none'}"
+            )
+        return named
     holding = [m for m in inner if any(True for _ in m.parameters()) and not _is_container(m)]
     repeated = {cls for cls, n in Counter(type(m) for m in holding).items() if n >= 2}
     outermost = [m for m in holding if type(m) in repeated and not _inside(m, module, repeated)]
@@ -208,10 +215,24 @@ def _is_plain(state: Mapping[str, Any]) -> bool:
     return bool(values) and not any(isinstance(v, DTensor) for v in values)
 
 
+def _deepcopy(self: torch.nn.Module, memo: dict) -> Any:
+    raise ConfigurationError(
+        f"copy.deepcopy of {type(self).__name__}, sharded with strategy='fsdp', is not supported (each "
+        "rank holds only a share of it). For an EMA copy, keep a plain copy made before the model "
+        "is given to its optimizer and update it from autoddp.models.state_dict(model), or use "
+        "strategy='ddp'"
+    )
+
+
 def _sharded_class(cls: type) -> type:
     return _routing.cached_subclass(
         cls,
-        {"load_state_dict": _load_state_dict, "_autoddp_strategy": FSDP, "_autoddp_plain_class": cls},
+        {
+            "load_state_dict": _load_state_dict,
+            "__deepcopy__": _deepcopy,
+            "_autoddp_strategy": FSDP,
+            "_autoddp_plain_class": cls,
+        },
     )
 
 

@@ -9,6 +9,7 @@ passes parts of a sharded checkpoint to torch's distributed checkpoint.
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
@@ -22,9 +23,8 @@ _LOADING = threading.local()
 
 
 def _is_dtensor(value: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
+    tensors = sys.modules.get("torch.distributed.tensor")  # nothing is a DTensor before it loads
+    return tensors is not None and isinstance(value, tensors.DTensor)
 
 
 def parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

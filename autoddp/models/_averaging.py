@@ -1,0 +1,70 @@
+"""The safety net for steps DDP did not see: gradients averaged before ``optimizer.step()``.
+
+DDP averages gradients only for forwards that go through it (``model(x)``). Code that calls a
+model's submodules itself (``model.decoder(model.encoder(x))``) or its ``forward`` trains with
+gradients DDP never saw, and the ranks would drift apart. An optimizer autoddp found a model
+through gets a step pre-hook (torch's public ``register_step_pre_hook``): when no forward went
+through the model's DDP since that optimizer's last step, it averages the gradients across ranks
+itself (slower than DDP, which overlaps the communication with the backward) and says so once.
+The check is two integer comparisons per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from autoddp import _warn
+from autoddp.models import _routing
+
+_GUARDED = "_autoddp_guarded"
+
+
+def guard(optimizer: torch.optim.Optimizer, models: list[torch.nn.Module]) -> None:
+    """Average the gradients of ``models`` before ``optimizer``'s steps that their DDP did not see."""
+    replicas = [m for m in models if _routing.REPLICA_ATTR in m.__dict__]
+    if not replicas or getattr(optimizer, _GUARDED, False):
+        return
+    seen = {id(m): m.__dict__[_routing.REPLICA_ATTR].forwards for m in replicas}
+    warned: set[int] = set()
+
+    def before_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for model in replicas:
+            replica = model.__dict__.get(_routing.REPLICA_ATTR)
+            if replica is None:
+                continue
+            averaged = replica.forwards == seen[id(model)] and _average(model)
+            if averaged and id(model) not in warned:
+                warned.add(id(model))
+                _warn.warn(
+                    f"{type(model).__name__}'s gradients were computed without calling "
+                    f"{type(model).__name__} itself (its submodules or its forward were called "
+                    "directly), so DDP did not average them; autoddp averaged them before "
+                    "optimizer.step() instead. Call the model itself (model(x)) to let DDP overlap "
+                    "that communication with the backward pass"
+                )
+            seen[id(model)] = replica.forwards
+
+    optimizer.register_step_pre_hook(before_step)
+    setattr(optimizer, _GUARDED, True)
+
+
+def _average(model: torch.nn.Module) -> bool:
+    """Average every trainable parameter's gradient across ranks; False when there was none."""
+    import torch.distributed as dist
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not any(p.grad is not None for p in params):
+        return False
+    world = dist.get_world_size()
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    works = [dist.all_reduce(g, async_op=True) for g in grads]  # the same list, in order, everywhere
+    for work in works:
+        work.wait()
+    for p, g in zip(params, grads, strict=True):
+        if p.grad is not None:
+            p.grad.div_(world)
+        elif torch.count_nonzero(g):
+            p.grad = g.div_(world)
+    return True
