@@ -8,7 +8,6 @@ And no report where nobody is late (ranks computing, rank 0 busy in a ``rank0()`
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -109,7 +108,7 @@ TORCHRUN_STYLE_LATE_RANK = """
     dist.init_process_group("gloo")
     if dist.get_rank() == 1:
         slow()
-    print("rank 0 enters the all_reduce", flush=True)
+    print(f"rank {dist.get_rank()} enters the all_reduce", flush=True)
     t = torch.ones(1) * (dist.get_rank() + 1)
     dist.all_reduce(t)
     print("result", t.item(), flush=True)
@@ -265,16 +264,25 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_each_node_reports_its_own_ranks(tmp_path, monkeypatch):
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_across_nodes_node0_names_the_late_rank_or_each_node_reports_its_own(
+    tmp_path, monkeypatch, rendezvous
+):
+    """static: node 0 combines every node's records (through the rendezvous store) and names rank
+    1, on node 1, with its stack; c10d: each node reports its own ranks."""
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         monkeypatch.delenv(name, raising=False)
     script = write(tmp_path / "job.py", TORCHRUN_STYLE_LATE_RANK.replace("time.sleep(20)", "time.sleep(12)"))
-    master = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{_free_port()}"
     runs: list[Run] = []
 
     def node(rank: int) -> None:
-        args = ["--nnodes", "2", "--node-rank", str(rank), "--master", master, "-n", "1"]
-        runs.append(Run(["-m", "autoddp.cli", *args, "--hang-report", "3", str(script)], cwd=tmp_path))
+        if rendezvous == "static":
+            where = ["--node-rank", str(rank), "--master", endpoint]
+        else:
+            where = ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
+        args = ["-m", "autoddp.cli", "--nnodes", "2", *where, "-n", "1", "--hang-report", "3", str(script)]
+        runs.append(Run(args, cwd=tmp_path))
 
     threads = [threading.Thread(target=node, args=(rank,)) for rank in (0, 1)]
     for thread in threads:
@@ -282,14 +290,19 @@ def test_each_node_reports_its_own_ranks(tmp_path, monkeypatch):
     for thread in threads:
         thread.join()
     assert all(run.code == 0 for run in runs), [run.stderr for run in runs]
-    node0 = next(run for run in runs if "node 0 of 2" in run.stderr)
+    assert all("result 3.0" in run.stdout for run in runs)
+    node0 = next(run for run in runs if "rank 0 enters the all_reduce" in run.stdout)
     node1 = next(run for run in runs if run is not node0)
     (report,) = node0.reports()
     all_reduce = line_of(script, "dist.all_reduce(t)")
-    assert f"hang report (node 0 of 2): rank 0 waits in all_reduce at job.py:{all_reduce}" in report
-    assert "every rank of this node waits, for ranks that run on other nodes" in report
-    assert node1.reports() == []  # rank 1, alone on node 1, waits for nobody
-    assert os.path.exists(script)
+    if rendezvous == "static":
+        waits = f"rank 0 waits in all_reduce at job.py:{all_reduce}"
+        assert f"hang report (all nodes): rank 1 has not arrived; {waits}" in report
+        assert f"job.py:{line_of(script, 'time.sleep(12)')} in slow" in node0.stderr  # from node 1
+    else:
+        assert f"hang report (this node): rank 0 waits in all_reduce at job.py:{all_reduce}" in report
+        assert "every rank of this node waits, for ranks that run on other nodes" in report
+    assert node1.reports() == []  # rank 1, alone on node 1, waits for nobody; node 0 reports
 
 
 # --- the pieces, without processes: the dump's parsing, the verdict, the repeat policy -----------

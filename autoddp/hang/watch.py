@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from autoddp.hang import message, record, stacks, verdict
+from autoddp.hang import combine, message, record, stacks, verdict
 from autoddp.launch.output import one_line, say
 
 #: A situation that lasts is reported again at most this often.
@@ -26,7 +26,7 @@ class Watch:
     """Watch ``nproc`` local workers whose records are in ``folder``, while a ``with`` block runs.
 
     ``seconds``: the ``hang_report`` option (0: no watch). ``node`` names this node in reports of
-    a run on several machines.
+    a run on several machines; with an ``exchange`` node 0 reports for every node when it can.
     """
 
     def __init__(
@@ -37,9 +37,10 @@ class Watch:
         node: str = "",
         repeat: float = REPEAT_SECONDS,
         emit: Callable[[str], None] = say,
+        exchange: combine.Exchange | None = None,
     ) -> None:
         self.folder, self.nproc, self.seconds, self.node = folder, nproc, seconds, node
-        self.repeat, self.emit = repeat, emit
+        self.repeat, self.emit, self.exchange = repeat, emit, exchange
         self.reported: dict[tuple, float] = {}  # situation -> when it was last reported
         self.quiet: set[tuple] = set()  # every rank in the same call: nothing to say about it
         self._stop = threading.Event()
@@ -69,17 +70,28 @@ class Watch:
         """Every local worker's record now, by local rank."""
         return {rank: record.read(record.record_path(self.folder, rank)) for rank in range(self.nproc)}
 
+    def view(self, now: float) -> tuple[dict[int, record.Record | None], bool] | None:
+        """(the records to judge, whether they are node 0's view of every node), or None when
+        node 0 reports for this node."""
+        records = self.read()
+        if self.exchange is None:
+            return records, False
+        world = self.exchange.share(records, now, self._stacks_by_rank)
+        if world is not None:
+            return world, True
+        return None if self.exchange.node0_combines() else (records, False)
+
     def tick(self, now: float) -> None:
         """One check: report what has lasted long enough, forget what ended."""
-        records = self.read()
+        seen = self.view(now)
         current = set()
-        for situation in verdict.judge(records, self.nproc, now, self.seconds):
+        for situation in self._judge(seen, now):
             key = situation.key
             current.add(key)
             last = self.reported.get(key)
             if key in self.quiet or (last is not None and now - last < self.repeat):
                 continue
-            text = self._report(situation, now)
+            text = self._report(situation, now, combined=seen[1])
             if text:
                 for line in text:
                     self.emit(line)
@@ -87,14 +99,27 @@ class Watch:
         self.reported = {key: when for key, when in self.reported.items() if key in current}
         self.quiet &= current
 
-    def _report(self, situation: verdict.Situation, now: float) -> list[str]:
+    def _judge(self, seen: tuple[dict[int, record.Record | None], bool] | None, now: float) -> list:
+        if seen is None:
+            return []
+        records, combined = seen
+        return verdict.judge(records, len(records) if combined else self.nproc, now, self.seconds)
+
+    def _report(self, situation: verdict.Situation, now: float, combined: bool) -> list[str]:
         """The report's lines, with the ranks' stacks; none if the situation ended meanwhile."""
         frames: dict[int, list[stacks.Frame]] = {}
         started = time.monotonic()
         if situation.kind != verdict.RANK0_BUSY:
-            frames = stacks.collect(self.folder, [r for r in self.read().values() if r is not None])
+            local = [r for r in self.read().values() if r is not None]
+            if combined:
+                assert self.exchange is not None
+                frames = self._stacks_by_rank(local)
+                wanted = [r.rank for r in situation.waiting + situation.late if r.rank not in frames]
+                frames.update(self.exchange.frames(wanted))
+            else:
+                frames = stacks.collect(self.folder, local)
         now += time.monotonic() - started
-        if situation.key not in {s.key for s in verdict.judge(self.read(), self.nproc, now, self.seconds)}:
+        if situation.key not in {s.key for s in self._judge(self.view(now), now)}:
             return []  # the late rank arrived while its stack was read
         if situation.kind == verdict.TOGETHER:
             calls = {(r.what, _site(frames, r)) for r in situation.waiting}
@@ -103,7 +128,14 @@ class Watch:
             elif not situation.other_nodes:
                 self.quiet.add(situation.key)  # all in the same call on one node: no rank is late
                 return []
-        return message.lines(situation, frames, now, self.seconds, self.repeat, self.node)
+        node = "all nodes" if combined else self.node
+        return message.lines(situation, frames, now, self.seconds, self.repeat, node)
+
+    def _stacks_by_rank(self, records: list[record.Record]) -> dict[int, list[stacks.Frame]]:
+        """This node's stacks, by global rank."""
+        found = stacks.collect(self.folder, records)
+        ranks = {r.local_rank: r.rank for r in records}
+        return {ranks[local]: frames for local, frames in found.items()}
 
 
 def _site(frames: dict[int, list[stacks.Frame]], rec: record.Record) -> tuple[str, int] | None:

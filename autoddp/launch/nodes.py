@@ -19,6 +19,7 @@ from typing import Any
 from autoddp import hardware, network, transport
 from autoddp.errors import ConfigurationError, WorkerError
 from autoddp.hang import record as hang_record
+from autoddp.hang.combine import Exchange
 from autoddp.hang.watch import Watch
 from autoddp.launch.output import announce_exit, say
 from autoddp.launch.supervise import caller_signal_handlers_kept, elastic_logs_quiet
@@ -116,14 +117,14 @@ def run_agent(
 
     The workers reach the other machines through the interface that routes to node 0 (unless
     the user named one, see ``autoddp.network``); one start-up line says which. This node's
-    ranks are watched for the hang report (each node reports its own). Raises
+    ranks are watched for the hang report (node 0 combines every node's view when it can). Raises
     elastic's ``ChildFailedError`` when a worker fails and ``SignalException`` when this
     launcher is stopped; elastic has then stopped the local workers.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    host, _ = _split_endpoint(nodes.endpoint or "")
+    host, port = _split_endpoint(nodes.endpoint or "")
     net = network.choose(host, os.environ)
     rdzv_configs: dict[str, Any] = {"rank": nodes.node_rank} if nodes.backend == "static" else {}
     route = net.route
@@ -151,9 +152,16 @@ def run_agent(
         with (
             elastic_logs_quiet(),
             _worker_environment(nproc, variables),
-            Watch(folder, nproc, hang_report, node=_node_name(nodes)),
+            Watch(folder, nproc, hang_report, node=_node_name(nodes), exchange=_exchange(nodes, host, port)),
         ):
             elastic_launch(config, entrypoint=sys.executable)(*args)
+
+
+def _exchange(nodes: Nodes, host: str, port: int) -> Exchange | None:
+    """How this node's hang report reaches node 0's combined view (static rendezvous: its store)."""
+    if nodes.backend != "static" or nodes.node_rank is None:
+        return None
+    return Exchange(host, port, nodes.run_id, nodes.node_rank, nodes.max_nodes)
 
 
 def _node_name(nodes: Nodes) -> str:
