@@ -51,6 +51,7 @@ class Marks:
         self.writer: record.Writer | None = None
         self.dump: Any = None
         self.patches: list[tuple[Any, str, Any, Any]] = []  # (owner, name, original, wrapper)
+        self.wrappers: dict[int, tuple[Any, Any]] = {}  # id(original) -> (original, its wrapper)
         self.forks_watched = False
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -100,20 +101,20 @@ class Marks:
         self.thread, self.map, self.writer, self.dump, self.patches = -1, None, None, None, []
 
     def patch(self) -> None:
-        """Put the wrappers in place (``installed`` does; ``unpatch`` takes them out)."""
+        """Put the wrappers in place (``installed`` does; ``unpatch`` takes them out).
+
+        One wrapper per original, made once: patched again, a function is replaced by the very
+        same object (so Python's specialised calls to it stay valid).
+        """
         _compat.ddp_buffer_broadcast()  # checks that DDP's broadcast is where autoddp expects it
-        made: dict[int, Any] = {}
         for module in (dist, dist.distributed_c10d):
             for index, name in enumerate(record.NAMES):
                 original = vars(module).get(name)
-                if original is None or index == _BACKWARD:
-                    continue
-                if id(original) not in made:
-                    made[id(original)] = self._collective(index, original)
-                self._replace(module, name, original, made[id(original)])
-        self._replace(torch.autograd, "backward", torch.autograd.backward, None)
+                if original is not None and index != _BACKWARD:
+                    self._replace(module, name, original, functools.partial(self._collective, index))
+        self._replace(torch.autograd, "backward", torch.autograd.backward, self._backward)
         ddp = torch.nn.parallel.DistributedDataParallel
-        self._replace(ddp, "__init__", ddp.__init__, self._ddp_init(ddp.__init__))
+        self._replace(ddp, "__init__", ddp.__init__, self._ddp_init)
 
     def unpatch(self) -> None:
         """The originals back, where a wrapper of ours is still in place."""
@@ -122,8 +123,10 @@ class Marks:
                 setattr(owner, name, original)
         self.patches = []
 
-    def _replace(self, owner: Any, name: str, original: Any, wrapper: Any) -> None:
-        wrapper = wrapper if wrapper is not None else self._backward(original)
+    def _replace(self, owner: Any, name: str, original: Any, make: Callable[[Any], Any]) -> None:
+        if id(original) not in self.wrappers:  # (the original is kept: its id stays its own)
+            self.wrappers[id(original)] = (original, make(original))
+        wrapper = self.wrappers[id(original)][1]
         setattr(owner, name, wrapper)
         self.patches.append((owner, name, original, wrapper))
 

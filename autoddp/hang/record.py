@@ -9,12 +9,16 @@ both sides share, and nothing else.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import mmap
 import os
+import shutil
 import signal
 import struct
+import tempfile
 import threading
+from collections.abc import Iterator
 
 from autoddp._compat import DDP_BUFFER_BROADCAST
 from autoddp._refusals import COLLECTIVES
@@ -53,6 +57,21 @@ _SHOWN = {
     DDP_BUFFER_BROADCAST: "DDP's broadcast of rank 0's parameters and buffers",
     "backward": "DDP's gradient all-reduce in backward()",
 }
+
+
+@contextlib.contextmanager
+def folder() -> Iterator[str]:
+    """A private folder (mode 0700) for one run's records, removed afterwards.
+
+    In memory (``/dev/shm``) where the machine has it: the mapped pages then never go to a disk.
+    """
+    shm = "/dev/shm"
+    base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
+    path = tempfile.mkdtemp(prefix="autoddp-hang-", dir=base)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def record_path(folder: str, local_rank: int) -> str:

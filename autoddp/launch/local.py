@@ -149,7 +149,7 @@ def _attempt(
     hang_report: float,
 ) -> Any:
     """One start of all workers, in a fresh run folder with a fresh store (no stale keys)."""
-    with transport.run_folder() as folder:
+    with transport.run_folder() as folder, hang_record.folder() as records:
         entry, entry_args = workers(folder)
         with loopback_store(nproc) as port:
             envs = worker_envs(nproc, port, uuid.uuid4().hex, attempt, folder)
@@ -157,8 +157,8 @@ def _attempt(
             for env in envs.values():  # autoddp.print(all_ranks=True) must not prefix twice
                 env["AUTODDP_LINE_PREFIX"] = "1" if output.prefixed else "0"
                 if hang_report > 0:  # the workers keep their hang records there
-                    env[hang_record.FOLDER_VARIABLE] = folder
-            watch = functools.partial(Watch, folder, nproc, hang_report)
+                    env[hang_record.FOLDER_VARIABLE] = records
+            watch = functools.partial(Watch, records, nproc, hang_report)
             context, result = supervise(entry, entry_args, envs, method, poll_seconds, logs, watch)
         if result.is_failed():
             error = first_failure(context, result, folder, nproc)

@@ -147,7 +147,7 @@ def run_agent(
         local_addr=route.local_address if route is not None and route.interface else None,
     )
     say(_start_line(nodes, nproc, net))
-    with transport.run_folder() as folder:
+    with hang_record.folder() as folder:
         variables = {**net.variables, **({hang_record.FOLDER_VARIABLE: folder} if hang_report > 0 else {})}
         with (
             elastic_logs_quiet(),
