@@ -374,6 +374,12 @@ def test_the_verdict_on_what_the_records_say():
         {0: _rec(0, record.COLLECTIVE, 10), 1: _rec(1, record.COLLECTIVE, 10, name="barrier")}, 2, 100, 60
     )
     assert mismatch.kind == verdict.MISMATCH
+    frames = {0: [stacks.Frame("/me/a.py", 3, "f")], 1: [stacks.Frame("/me/a.py", 9, "g")]}
+    assert message.lines(mismatch, frames, 100, 60, 180)[0] == (
+        "hang report: the ranks wait in collectives that do not match: rank 0 waits in all_reduce at "
+        "a.py:3 in f, for 90.0 s; rank 1 waits in barrier at a.py:9 in g, for 90.0 s. Every rank must "
+        "call the same collectives in the same order"
+    )
     together = {0: _rec(0, record.COLLECTIVE, 10), 1: _rec(1, record.COLLECTIVE, 10)}
     assert [s.kind for s in judge(together, 2, 100, 60)] == [verdict.TOGETHER]
 

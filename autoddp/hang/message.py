@@ -46,9 +46,10 @@ def lines(
         if situation.other_nodes:
             text.append("  (ranks on other nodes: each node reports its own)")
     minutes = f"{repeat / 60:g} minutes" if repeat >= 60 and repeat % 60 == 0 else f"{repeat:g} s"
+    goes_on = "" if situation.kind == verdict.MISMATCH else ": the run goes on when the late ranks arrive"
     text.append(
-        f"  nothing is stopped: the run goes on when the late ranks arrive; this report repeats at most "
-        f"every {minutes} while this lasts (hang_report={seconds:g} s; 0 turns it off)"
+        f"  nothing is stopped{goes_on}; this report repeats at most every {minutes} while this lasts "
+        f"(hang_report={seconds:g} s; 0 turns it off)"
     )
     return text
 
