@@ -8,6 +8,7 @@ faulthandler answers, ``stacks``), decides what the situation is (``verdict``) a
 report on the console (``message``). Nothing is stopped.
 
 Modules: ``record`` (the shared record's layout, both sides), ``marks`` (worker side),
-``stacks``, ``verdict``, ``message`` and ``watch`` (launcher side). Import the one you need: this
-package's ``__init__`` imports nothing, so a worker never loads the launcher's side.
+``stacks``, ``verdict``, ``message``, ``combine`` (node 0's view of every node) and ``watch``
+(launcher side). Import the one you need: this package's ``__init__`` imports nothing, so a
+worker never loads the launcher's side.
 """

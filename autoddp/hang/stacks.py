@@ -62,9 +62,10 @@ def collect(folder: str, records: Iterable[record.Record]) -> dict[int, list[Fra
     deadline = time.monotonic() + _WAIT_SECONDS
     while asked.keys() - texts.keys() and time.monotonic() < deadline:
         time.sleep(0.05)
-        for rank, (path, _) in asked.items():
-            text = _read(path)
-            if rank not in texts and text and text == _read(path, after=0.02):  # done writing
+        pending = {rank: _read(path) for rank, (path, _) in asked.items() if rank not in texts}
+        time.sleep(0.02)
+        for rank, text in pending.items():
+            if text and text == _read(asked[rank][0]):  # done writing
                 texts[rank] = text
     return {rank: main_thread(texts[rank], asked[rank][1]) for rank in texts}
 
@@ -90,12 +91,7 @@ def users_first(frames: list[Frame]) -> tuple[list[Frame], list[Frame]]:
     The worker's own outermost frames (autoddp's call path, and what called it in the caller a
     forked worker was copied from) are left out.
     """
-    user = []
-    for frame in frames:
-        if os.path.realpath(frame.path) in _CALL_PATH:
-            break
-        if frame.user:
-            user.append(frame)
+    user = [frame for frame in _above_call_path(frames) if frame.user]
     inner = []
     for frame in frames:
         if frame.user:
@@ -105,12 +101,18 @@ def users_first(frames: list[Frame]) -> tuple[list[Frame], list[Frame]]:
 
 
 def innermost_user(frames: list[Frame]) -> Frame | None:
-    return next((f for f in frames if f.user), None)
+    """The user's line that the stack is at (None if only autoddp's own code runs)."""
+    return next((f for f in _above_call_path(frames) if f.user), None)
 
 
-def _read(path: str, after: float = 0.0) -> str:
-    if after:
-        time.sleep(after)
+def _above_call_path(frames: list[Frame]) -> list[Frame]:
+    for at, frame in enumerate(frames):
+        if os.path.realpath(frame.path) in _CALL_PATH:
+            return frames[:at]
+    return frames
+
+
+def _read(path: str) -> str:
     try:
         with open(path, errors="replace") as handle:
             return handle.read()
