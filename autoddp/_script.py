@@ -10,7 +10,8 @@ In a world of several processes the script runs under ``autoddp.capture`` (unles
 capture first needs it. A script that makes its own group first (torchrun-style) is left alone.
 After a script that ends well, the process groups left open (its own, or the one capture made)
 are destroyed at exit, after the script's own atexit hooks (``process_group.leave_open_groups``):
-an open gloo group can abort the exit.
+an open gloo group can abort the exit. While the script runs in a worker the launcher watches,
+its collectives are marked for the hang report (``autoddp.hang.marks``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from autoddp import _compat, _worker, capture, environment, hardware, process_group, transport
+from autoddp.hang import marks
 from autoddp.state import RunOptions, World
 
 
@@ -105,12 +107,13 @@ def _runner_flags(argv: list[str]) -> tuple[bool, RunOptions, list[str]]:
 def _run_captured(argv: list[str]) -> None:
     """Run the script, under capture unless the command said ``--no-capture``."""
     capture_on, options, argv = _runner_flags(argv)
-    session = _start_capture(capture_on, options)
-    try:
-        _run(argv)
-    finally:
-        if session is not None:
-            session.uninstall()
+    with marks.marking(environment.detect().world()):  # the hang report's record (outermost hooks)
+        session = _start_capture(capture_on, options)
+        try:
+            _run(argv)
+        finally:
+            if session is not None:
+                session.uninstall()
 
 
 def main(leave_groups_at_exit: bool = True) -> None:

@@ -13,6 +13,7 @@ import click
 
 from autoddp import environment, hardware
 from autoddp.errors import ConfigurationError, WorkerError
+from autoddp.hang import record as hang_record
 from autoddp.launch import in_place, local, nodes
 from autoddp.launch import output as launch_output
 from autoddp.launch import plan as launch_plan
@@ -208,6 +209,17 @@ def _check_target(target: str | None, as_module: bool) -> None:
     show_default=True,
     help="Distribute the models, shuffled loaders and torch.save calls a plain script makes.",
 )
+@click.option(
+    "--hang-report",
+    "--hang_report",
+    "hang_report",
+    type=click.FloatRange(min=0),
+    default=hang_record.DEFAULT_SECONDS,
+    show_default=True,
+    metavar="SECONDS",
+    help="When ranks have waited this long in a collective for others, say which rank is late and "
+    "where (its stack); the run goes on. 0 turns it off.",
+)
 @click.argument("script", required=False, metavar="SCRIPT")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="[ARGS]...")
 @click.version_option(package_name="autoddp", prog_name="autoddp")
@@ -233,6 +245,7 @@ def main(
     cpu_offload: bool,
     find_unused_parameters: bool,
     capture: bool,
+    hang_report: float,
     script: str | None,
     script_args: tuple[str, ...],
 ) -> None:
@@ -278,13 +291,13 @@ def main(
         *script_args,
     ]
     if plan.multi:
-        sys.exit(_launch_nodes(plan, count, argv, max_restarts, monitor_interval))
+        sys.exit(_launch_nodes(plan, count, argv, max_restarts, monitor_interval, hang_report))
     try:
         output = launch_output.Output(ranks, log_dir)
         output.shown(count)
     except ConfigurationError as error:
         _fail(str(error))
-    sys.exit(_launch(count, argv, max_restarts, monitor_interval, output))
+    sys.exit(_launch(count, argv, max_restarts, monitor_interval, output, hang_report))
 
 
 def _env_report(master: str | None, args: tuple[str, ...]) -> None:
@@ -302,7 +315,12 @@ def _env_report(master: str | None, args: tuple[str, ...]) -> None:
 
 
 def _launch_nodes(
-    plan: launch_plan.Nodes, nproc: int, argv: list[str], max_restarts: int, monitor_interval: float
+    plan: launch_plan.Nodes,
+    nproc: int,
+    argv: list[str],
+    max_restarts: int,
+    monitor_interval: float,
+    hang_report: float = hang_record.DEFAULT_SECONDS,
 ) -> int:
     """This machine's share of a multi-node run, through elastic's agent and rendezvous."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -315,6 +333,7 @@ def _launch_nodes(
             ["-m", "autoddp._script", *argv],
             max_restarts=max_restarts,
             monitor_interval=monitor_interval,
+            hang_report=hang_report,
         )
     except ConfigurationError as error:  # before anything started: node 0's address, say
         _fail(str(error))
@@ -331,7 +350,12 @@ def _launch_nodes(
 
 
 def _launch(
-    nproc: int, argv: list[str], max_restarts: int, monitor_interval: float, output: launch_output.Output
+    nproc: int,
+    argv: list[str],
+    max_restarts: int,
+    monitor_interval: float,
+    output: launch_output.Output,
+    hang_report: float = hang_record.DEFAULT_SECONDS,
 ) -> int:
     """Run the script once per process on this machine; the exit status of the command."""
     env = environment.detect()
@@ -343,7 +367,12 @@ def _launch(
             _fail(str(error))
     try:
         local.launch_script(
-            argv, nproc=nproc, max_restarts=max_restarts, poll_seconds=monitor_interval, output=output
+            argv,
+            nproc=nproc,
+            max_restarts=max_restarts,
+            poll_seconds=monitor_interval,
+            output=output,
+            hang_report=hang_report,
         )
     except KeyboardInterrupt:  # Ctrl-C: the workers are stopped and one line was printed
         return 128 + int(signal.SIGINT)

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from autoddp import _warn, environment, hardware, models, process_group, streams
 from autoddp.errors import ConfigurationError
+from autoddp.hang import record as hang_record
 from autoddp.launch import output as launch_output
 from autoddp.launch import plan as launch_plan
 from autoddp.launch import start_method as launch_start
@@ -51,6 +52,7 @@ class Options:
     fsdp_blocks: tuple[type | str, ...] = ()
     mixed_precision: str | None = None
     cpu_offload: bool = False
+    hang_report: float = hang_record.DEFAULT_SECONDS
 
     def __post_init__(self) -> None:
         self.nodes  # noqa: B018 - checks the multi-node options at decoration time
@@ -109,6 +111,15 @@ class Options:
             raise ConfigurationError(
                 f"fsdp_blocks={self.fsdp_blocks!r}: give a tuple of module classes or class names, "
                 "e.g. fsdp_blocks=(TransformerBlock,) or fsdp_blocks=('TransformerBlock',)"
+            )
+        if (
+            isinstance(self.hang_report, bool)
+            or not isinstance(self.hang_report, (int, float))
+            or not self.hang_report >= 0
+        ):
+            raise ConfigurationError(
+                f"hang_report={self.hang_report!r} must be a number of seconds >= 0: how long ranks may "
+                "wait for another before autoddp says which rank and where (e.g. hang_report=120; 0: off)"
             )
         for name in ("sync_batchnorm", "capture", "cpu_offload"):
             if not isinstance(getattr(self, name), bool):
@@ -212,6 +223,11 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     names the module classes that get their own shard unit (autoddp chooses otherwise),
     ``mixed_precision="bf16"`` computes in bf16 with float32 gradient reduction, and
     ``cpu_offload=True`` keeps the shards on the CPU.
+
+    ``hang_report``: when some ranks have waited in a collective (or for rank 0's ``rank0()``
+    block) this many seconds while others are elsewhere, the console says which ranks wait,
+    where, and shows the Python stack of each rank that has not arrived; the run goes on
+    (default 60; 0 turns it off).
     """
     checked = Options.from_keywords(options)
     if fn is None:
@@ -266,7 +282,9 @@ def _call(options: Options, wrapped: Callable[..., Any], instance: Any, args: tu
     if plan.multi:
         from autoddp.launch import nodes  # (the launch machinery loads when it is first needed)
 
-        return nodes.launch_nodes(job, plan=plan, nproc=nproc, max_restarts=options.max_restarts)
+        return nodes.launch_nodes(
+            job, plan=plan, nproc=nproc, max_restarts=options.max_restarts, hang_report=options.hang_report
+        )
     if nproc == 1:
         return run_in_world(job, env.world(), finish=prepare)
     from autoddp.launch import local
@@ -277,4 +295,5 @@ def _call(options: Options, wrapped: Callable[..., Any], instance: Any, args: tu
         start_method=options.start_method,
         max_restarts=options.max_restarts,
         output=options.output,
+        hang_report=options.hang_report,
     )

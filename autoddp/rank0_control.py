@@ -29,6 +29,8 @@ import torch.distributed as dist
 
 from autoddp import _compat, _refusals, _skip
 from autoddp.errors import ConfigurationError, Rank0Error
+from autoddp.hang import record
+from autoddp.hang.marks import MARKS
 from autoddp.state import CURRENT
 from autoddp.world import current
 
@@ -70,7 +72,7 @@ class Rank0Block:
     statement (``with rank0(), other():``); list those first or nest them inside the body.
     """
 
-    __slots__ = ("_key", "_mode", "_saved", "_skipper", "_store", "_where")
+    __slots__ = ("_key", "_marked", "_mode", "_saved", "_skipper", "_store", "_where")
 
     def __init__(self) -> None:
         self._mode = _INLINE
@@ -79,6 +81,7 @@ class Rank0Block:
         self._store: Any = None
         self._saved: list[tuple[dict[str, Any], dict[str, Any]]] = []
         self._skipper = _skip.BodySkipper()
+        self._marked = False
 
     def __call__(self, fn: F) -> F:
         return decorate(fn)
@@ -128,6 +131,7 @@ class Rank0Block:
         self._mode = _RUN
         _STATE.depth += 1
         self._saved = _refusals.refuse(self._where)
+        self._marked = MARKS.mark(record.RUNS_RANK0, self._where)  # the hang report: rank 0 is busy here
 
     def _finish(self, exc: BaseException | None) -> None:
         """On rank 0: give the collectives back and publish whether the body raised."""
@@ -136,6 +140,9 @@ class Rank0Block:
         _refusals.restore(self._saved)
         self._saved = []
         _STATE.depth -= 1
+        if self._marked:
+            MARKS.unmark()
+            self._marked = False
         if exc is None:
             value = _OK + self._where.encode()
         else:
@@ -149,7 +156,7 @@ class Rank0Block:
         """On other ranks: wait for rank 0's outcome; the error to raise, if any (never raises)."""
         rank = current().rank
         try:
-            value = _wait(self._store, self._key, current().world_size)
+            value = _wait(self._store, self._key, current().world_size, self._where)
         except Exception as wait_error:
             timeout = _timeout(self._store)
             error = Rank0Error(
@@ -290,13 +297,17 @@ def _store(world_size: int) -> Any:
     return None if type(store) is dist.Store else store  # MPI's placeholder store holds no keys
 
 
-def _wait(store: Any, key: str, world_size: int) -> bytes:
-    """Rank 0's published outcome for ``key``; the last reader deletes the key."""
-    if store is None:
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-    store.wait([key], _timeout(store))
+def _wait(store: Any, key: str, world_size: int, where: str) -> bytes:
+    """Rank 0's published outcome for ``key``; the last reader deletes the key.
+
+    While it waits, the hang report knows that this rank waits for rank 0 to finish ``where``.
+    """
+    with MARKS.marked(record.WAITS_FOR_RANK0, where):
+        if store is None:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+        store.wait([key], _timeout(store))
     value = store.get(key)
     readers = world_size - 1
     if readers == 1 or store.add(f"{key}/read", 1) == readers:

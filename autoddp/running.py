@@ -4,7 +4,8 @@
 and finishes its result while still inside the world (``prepare`` for a caller in the same
 process, ``portable`` for a result that travels back to the caller); then the group is left.
 The decorator's in-place path, its one-process path and every worker go through it; in a world
-of several processes the call runs under ``autoddp.capture`` (unless the run turned it off).
+of several processes the call runs under ``autoddp.capture`` (unless the run turned it off) and,
+in a worker an autoddp launcher watches, with the hang report's marks (``autoddp.hang.marks``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from autoddp import _containers, models, process_group, streams
+from autoddp.hang import marks
 from autoddp.models import optimizers as model_optimizers
 from autoddp.preparation import prepare
 from autoddp.state import CURRENT, RunOptions, World
@@ -52,10 +54,11 @@ def run_in_world(job: Job, world: World, finish: Callable[[Any], Any]) -> Any:
         if job.streams is not None:
             CURRENT.seeds = (streams.seed_worker(job.streams, world.rank), job.streams.torch_initial_seed)
         try:
-            args, kwargs = prepare(job.args), prepare(job.kwargs)
-            with _capturing(job.options, CURRENT.world or world):
-                result = job.fn(*args, **kwargs)
-            del args, kwargs
+            with marks.marking(CURRENT.world or world):  # the hang report's record, in watched workers
+                args, kwargs = prepare(job.args), prepare(job.kwargs)
+                with _capturing(job.options, CURRENT.world or world):
+                    result = job.fn(*args, **kwargs)
+                del args, kwargs
             return finish(result)
         finally:
             CURRENT.function = previous

@@ -144,3 +144,21 @@ def test_clean_exits_counts_one_run(capsys):
         "runs": 1,
         "clean_exits": {"autoddp": 1},
     }
+
+
+# --- hang_watch.py ------------------------------------------------------------------------
+
+
+def test_hang_watch_measures_both_ways_and_prints_json():
+    quick = ["--pairs", "4", "--warmup-blocks", "1", "--launch-pairs", "1", "--launch-blocks", "2"]
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "hang_watch.py"), *quick, "--sizes", "small"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["small"]["pairs"] == 4 and figures["small"]["launches"]["pairs"] == 1
+    assert 0 < figures["small"]["wall"]["ratio"] < 10 and "control" in figures["small"]
+    assert 0 < figures["marked_call_us"] < 100 and 0 < figures["watch_tick_us"] < 10_000

@@ -19,6 +19,8 @@ from typing import Any
 
 from autoddp import _compat
 from autoddp.checkpoint import atomic_write
+from autoddp.hang import record
+from autoddp.hang.marks import MARKS
 
 _PREFIX = "autoddp/torch.save/"
 SETTLE_SECONDS = 10.0
@@ -40,10 +42,12 @@ class Saves:
         count = self.per_path.get(target, 0)
         self.per_path[target] = count + 1
         store = _compat.default_store()
+        where = f"torch.save to {os.path.basename(target)!r}"  # for the hang report
         if self.rank == 0:
             store.set(f"{_PREFIX}seq/{number}", target)
             store.set(f"{_PREFIX}path/{target}/{count}", str(number))
-            atomic_write(target, lambda file: original(obj, file, *args, **kwargs))
+            with MARKS.marked(record.RUNS_RANK0, where):
+                atomic_write(target, lambda file: original(obj, file, *args, **kwargs))
             store.set(f"{_PREFIX}done/{number}", "1")
             return "written once, by rank 0"
         same, theirs = f"{_PREFIX}path/{target}/{count}", f"{_PREFIX}seq/{number}"
@@ -51,7 +55,8 @@ class Saves:
         deadline = time.monotonic() + SETTLE_SECONDS
         while time.monotonic() < deadline:
             if store.check([same]):
-                store.wait([f"{_PREFIX}done/{store.get(same).decode()}"])
+                with MARKS.marked(record.WAITS_FOR_RANK0, where):
+                    store.wait([f"{_PREFIX}done/{store.get(same).decode()}"])
                 return "written once, by rank 0"
             if store.check([owned]):
                 return "written by rank 0 only (rank 0 saved this path before)"

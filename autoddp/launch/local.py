@@ -8,6 +8,7 @@ root-cause failure as the original exception. Every attempt gets a fresh run fol
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import uuid
@@ -17,6 +18,8 @@ from typing import Any
 from autoddp import _warn, _worker, hardware, transport
 from autoddp.environment import LOOPBACK
 from autoddp.errors import ConfigurationError, SerializationError
+from autoddp.hang import record as hang_record
+from autoddp.hang.watch import Watch
 from autoddp.launch.failures import first_failure
 from autoddp.launch.output import Output, announce_exit, one_line, say, show_hidden_output
 from autoddp.launch.start_method import choose_start_method, preload_for_forked_workers
@@ -59,11 +62,13 @@ def launch_function(
     start_method: str,
     max_restarts: int = 0,
     output: Output | None = None,
+    hang_report: float = hang_record.DEFAULT_SECONDS,
 ) -> Any:
     """Run ``job`` in ``nproc`` new workers; return rank 0's result.
 
     After a failure the whole group starts again, up to ``max_restarts`` times (not for errors
-    that would only repeat: a bad configuration, something that cannot be pickled).
+    that would only repeat: a bad configuration, something that cannot be pickled). Ranks that
+    wait for others longer than ``hang_report`` seconds are reported (``autoddp.hang``; 0: off).
     """
     method, reason = choose_start_method(start_method, job.backend)
     if method == "spawn" and start_method == "auto":
@@ -85,7 +90,7 @@ def launch_function(
         def workers(folder: str) -> tuple[Any, dict[int, tuple]]:
             return _worker.run_forked, {r: (job, folder) for r in range(nproc)}
 
-    return _with_restarts(workers, nproc, method, max_restarts, output=output)
+    return _with_restarts(workers, nproc, method, max_restarts, output=output, hang_report=hang_report)
 
 
 def launch_script(
@@ -95,11 +100,12 @@ def launch_script(
     max_restarts: int = 0,
     poll_seconds: float = POLL_SECONDS,
     output: Output | None = None,
+    hang_report: float = hang_record.DEFAULT_SECONDS,
 ) -> None:
     """Run a script (as ``python -m autoddp._script ARGV`` would) in ``nproc`` workers.
 
-    The ``autoddp`` command's single-node engine: the same supervision, loopback store and
-    restarts as the decorator. Workers are forked from this process, which has imported torch
+    The ``autoddp`` command's single-node engine: the same supervision, loopback store,
+    restarts and hang report as the decorator. Workers are forked from this process, which has imported torch
     already (and what DDP construction imports), where CUDA is untouched; else they start as
     fresh interpreters. Raises the first failure (the worker printed its traceback).
     """
@@ -117,7 +123,7 @@ def launch_script(
         def workers(folder: str) -> tuple[Any, dict[int, tuple]]:
             return sys.executable, {r: ("-m", "autoddp._script", *argv) for r in range(nproc)}
 
-    _with_restarts(workers, nproc, method, max_restarts, poll_seconds, output)
+    _with_restarts(workers, nproc, method, max_restarts, poll_seconds, output, hang_report)
 
 
 def _with_restarts(
@@ -127,12 +133,13 @@ def _with_restarts(
     max_restarts: int,
     poll_seconds: float = POLL_SECONDS,
     output: Output | None = None,
+    hang_report: float = hang_record.DEFAULT_SECONDS,
 ) -> Any:
     """Run attempts until one succeeds or ``max_restarts`` restarts are spent."""
     output = output or Output()
     for attempt in range(max_restarts + 1):
         try:
-            return _attempt(workers, nproc, method, attempt, poll_seconds, output)
+            return _attempt(workers, nproc, method, attempt, poll_seconds, output, hang_report)
         except (ConfigurationError, SerializationError, KeyboardInterrupt):
             raise
         except BaseException as error:
@@ -145,17 +152,26 @@ def _with_restarts(
 
 
 def _attempt(
-    workers: Workers, nproc: int, method: str, attempt: int, poll_seconds: float, output: Output
+    workers: Workers,
+    nproc: int,
+    method: str,
+    attempt: int,
+    poll_seconds: float,
+    output: Output,
+    hang_report: float,
 ) -> Any:
     """One start of all workers, in a fresh run folder with a fresh store (no stale keys)."""
-    with transport.run_folder() as folder:
+    with transport.run_folder() as folder, hang_record.folder() as records:
         entry, entry_args = workers(folder)
         with loopback_store(nproc) as port:
             envs = worker_envs(nproc, port, uuid.uuid4().hex, attempt, folder)
             logs = output.logs_specs(folder, nproc)
             for env in envs.values():  # autoddp.print(all_ranks=True) must not prefix twice
                 env["AUTODDP_LINE_PREFIX"] = "1" if output.prefixed else "0"
-            context, result = supervise(entry, entry_args, envs, method, poll_seconds, logs)
+                if hang_report > 0:  # the workers keep their hang records there
+                    env[hang_record.FOLDER_VARIABLE] = records
+            watch = functools.partial(Watch, records, nproc, hang_report)
+            context, result = supervise(entry, entry_args, envs, method, poll_seconds, logs, watch)
         if result.is_failed():
             error = first_failure(context, result, folder, nproc)
             show_hidden_output(error, result, output.shown(nproc))

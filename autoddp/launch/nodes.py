@@ -17,6 +17,9 @@ from typing import Any
 
 from autoddp import hardware, network, transport
 from autoddp.errors import WorkerError
+from autoddp.hang import record as hang_record
+from autoddp.hang.combine import Exchange
+from autoddp.hang.watch import Watch
 from autoddp.launch.output import announce_exit, say
 from autoddp.launch.plan import Nodes, split_endpoint
 from autoddp.launch.supervise import caller_signal_handlers_kept, elastic_logs_quiet
@@ -31,18 +34,20 @@ def run_agent(
     max_restarts: int = 0,
     monitor_interval: float = 0.1,
     log_dir: str | None = None,
+    hang_report: float = hang_record.DEFAULT_SECONDS,
 ) -> None:
     """Run ``python ARGS`` in ``nproc`` workers on this node as part of a multi-node world.
 
     The workers reach the other machines through the interface that routes to node 0 (unless
-    the user named one, see ``autoddp.network``); one start-up line says which. Raises
+    the user named one, see ``autoddp.network``); one start-up line says which. This node's
+    ranks are watched for the hang report (node 0 combines every node's view when it can). Raises
     elastic's ``ChildFailedError`` when a worker fails and ``SignalException`` when this
     launcher is stopped; elastic has then stopped the local workers.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    host, _ = split_endpoint(nodes.endpoint or "")
+    host, port = split_endpoint(nodes.endpoint or "")
     net = network.choose(host, os.environ)
     rdzv_configs: dict[str, Any] = {"rank": nodes.node_rank} if nodes.backend == "static" else {}
     route = net.route
@@ -65,12 +70,29 @@ def run_agent(
         local_addr=route.local_address if route is not None and route.interface else None,
     )
     say(_start_line(nodes, nproc, net))
-    with elastic_logs_quiet(), _worker_environment(nproc, net.variables):
-        elastic_launch(config, entrypoint=sys.executable)(*args)
+    with hang_record.folder() as folder:
+        variables = {**net.variables, **({hang_record.FOLDER_VARIABLE: folder} if hang_report > 0 else {})}
+        with (
+            elastic_logs_quiet(),
+            _worker_environment(nproc, variables),
+            Watch(folder, nproc, hang_report, node=_node_name(nodes), exchange=_exchange(nodes, host, port)),
+        ):
+            elastic_launch(config, entrypoint=sys.executable)(*args)
+
+
+def _exchange(nodes: Nodes, host: str, port: int) -> Exchange | None:
+    """How this node's hang report reaches node 0's combined view (static rendezvous: its store)."""
+    if nodes.backend != "static" or nodes.node_rank is None:
+        return None
+    return Exchange(host, port, nodes.run_id, nodes.node_rank, nodes.max_nodes)
+
+
+def _node_name(nodes: Nodes) -> str:
+    return f"node {nodes.node_rank} of {nodes.max_nodes}" if nodes.backend == "static" else "this node"
 
 
 def _start_line(nodes: Nodes, nproc: int, net: network.Choice) -> str:
-    where = f"node {nodes.node_rank} of {nodes.max_nodes}" if nodes.backend == "static" else "this node"
+    where = _node_name(nodes)
     if nodes.backend == "c10d" and nodes.min_nodes != nodes.max_nodes:
         where += f" ({nodes.min_nodes} to {nodes.max_nodes} nodes)"
     return f"{where}, {nproc} worker(s) here, {nodes.backend} rendezvous at {nodes.endpoint}; {net.summary}"
@@ -78,7 +100,8 @@ def _start_line(nodes: Nodes, nproc: int, net: network.Choice) -> str:
 
 @contextlib.contextmanager
 def _worker_environment(nproc: int, variables: Mapping[str, str]) -> Iterator[None]:
-    """``OMP_NUM_THREADS`` and the network variables for the agent's workers while it runs.
+    """``OMP_NUM_THREADS``, the network variables and the hang records' folder for the agent's
+    workers while it runs.
 
     Elastic's agent gives its workers a copy of this process's environment, so they are set
     here for the agent's run only and removed afterwards.
@@ -108,7 +131,14 @@ def describe_failure(error: Any, world_size: int) -> str:
     return f"rank {rank} of {world_size} (pid {failure.pid}) {how}{detail}"
 
 
-def launch_nodes(job: Job, *, plan: Nodes, nproc: int, max_restarts: int = 0) -> Any:
+def launch_nodes(
+    job: Job,
+    *,
+    plan: Nodes,
+    nproc: int,
+    max_restarts: int = 0,
+    hang_report: float = hang_record.DEFAULT_SECONDS,
+) -> Any:
     """This machine's share of a multi-node run of ``job`` (fresh interpreters, elastic's agent).
 
     Returns rank 0's result on the machine that runs rank 0, None on the others.
@@ -121,7 +151,13 @@ def launch_nodes(job: Job, *, plan: Nodes, nproc: int, max_restarts: int = 0) ->
         transport.save_job(folder, payload)
         try:
             with caller_signal_handlers_kept():
-                run_agent(plan, nproc, ["-m", "autoddp._worker_main", folder], max_restarts=max_restarts)
+                run_agent(
+                    plan,
+                    nproc,
+                    ["-m", "autoddp._worker_main", folder],
+                    max_restarts=max_restarts,
+                    hang_report=hang_report,
+                )
         except ChildFailedError as error:
             reports = transport.load_errors(folder)
             if reports:

@@ -8,7 +8,7 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from autoddp.errors import WorkerError
@@ -25,8 +25,13 @@ def supervise(
     method: str,
     poll_seconds: float,
     logs: tuple[Any, dict[int, str]],
+    watch: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> Any:
-    """Start the workers with elastic's multiprocessing and wait for all to end or one to fail."""
+    """Start the workers with elastic's multiprocessing and wait for all to end or one to fail.
+
+    ``watch`` (the hang report) runs while they do; it starts once they have started, so that no
+    thread of it is running when forked workers are made.
+    """
     from torch.distributed.elastic.multiprocessing import start_processes
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -45,7 +50,8 @@ def supervise(
                 log_line_prefixes=prefixes,
                 start_method="fork" if method == "fork" else "spawn",
             )
-            return context, context.wait(period=poll_seconds)
+            with watch():
+                return context, context.wait(period=poll_seconds)
         except SignalException as exc:  # (start_processes closes its workers itself if it fails)
             if context is not None:
                 context.close(timeout=_STOP_GRACE_SECONDS)

@@ -1,0 +1,227 @@
+"""The worker's side of the hang report: say in the record what this rank waits in, and since when.
+
+While the user's code runs in a worker that an autoddp launcher watches (``AUTODDP_HANG_FOLDER``
+set, a world of several processes), ``marking`` replaces torch.distributed's collectives (in the
+namespaces of ``torch.distributed`` and ``distributed_c10d``, as ``rank0()``'s refusals do) and
+``torch.autograd.backward`` with thin wrappers. On entry a wrapper writes "in all_reduce since t"
+into the record (a memory write into a mapped file), on exit "outside since t": about a
+microsecond per call, on the collectives only. DDP's gradient all-reduce runs in C++ inside
+``backward()``; the backward wrapper marks it once a DistributedDataParallel exists in the
+process. ``rank0()`` marks its blocks itself (``mark``/``unmark``). Only the thread that runs the
+user's code is marked; code being traced by ``torch.compile`` and forked children pass through.
+
+The worker also answers ``record.DUMP_SIGNAL`` with its Python stacks (faulthandler, in C, so
+it answers while it blocks in C++ or holds the GIL), written to its dump file for the launcher.
+Everything is put back when the user's code ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import functools
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autoddp import _compat
+from autoddp.hang import record
+from autoddp.state import World
+
+_BACKWARD = record.NAMES.index("backward")
+_AT = record.STATE_OFFSET
+
+
+class Marks:
+    """This worker's record and the wrappers that keep it up to date: the module's one state."""
+
+    def __init__(self) -> None:
+        self.thread = -1  # the thread whose calls are marked; -1: not installed (or a forked child)
+        self.kind = record.OUTSIDE
+        self.sequence = 0
+        self.flags = 0
+        self.since = 0.0
+        self.map: Any = None
+        self.writer: record.Writer | None = None
+        self.dump: Any = None
+        self.patches: list[tuple[Any, str, Any, Any]] = []  # (owner, name, original, wrapper)
+        self.wrappers: dict[int, tuple[Any, Any]] = {}  # id(original) -> (original, its wrapper)
+        self.forks_watched = False
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def installed(self, folder: str, world: World) -> Iterator[None]:
+        """The record and the wrappers for a ``with`` block (the user's code)."""
+        self.writer = record.Writer(
+            record.record_path(folder, world.local_rank), world.rank, world.world_size, world.local_rank
+        )
+        self.map, self.thread, self.flags = self.writer.map, threading.get_ident(), record.ACTIVE
+        try:
+            self._answer_dumps(record.dump_path(folder, world.local_rank))
+            self.patch()
+            if not self.forks_watched:
+                os.register_at_fork(after_in_child=self._forked)
+                self.forks_watched = True
+            self._write(record.OUTSIDE, 0)
+            yield
+        finally:
+            self._uninstall()
+
+    def _answer_dumps(self, path: str) -> None:
+        """Have faulthandler write every thread's stack to ``path`` on DUMP_SIGNAL."""
+        if record.DUMP_SIGNAL is None:
+            return
+        self.dump = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o600), "w")
+        # What the signal does once faulthandler lets go of it (after the call, at exit): nothing.
+        signal.signal(record.DUMP_SIGNAL, signal.SIG_IGN)
+        faulthandler.register(record.DUMP_SIGNAL, file=self.dump, all_threads=True, chain=False)
+        self.flags |= record.ANSWERS
+
+    def _uninstall(self) -> None:
+        self.unpatch()
+        if self.map is not None:
+            self.flags = 0  # first: the launcher sends no signal to a worker that says so
+            self._write(record.OUTSIDE, 0)
+        if self.dump is not None:
+            faulthandler.unregister(record.DUMP_SIGNAL)  # back to SIG_IGN
+            self.dump.close()
+        if self.writer is not None and self.map is not None:
+            self.writer.close()
+        self.thread, self.kind, self.map, self.writer, self.dump = -1, record.OUTSIDE, None, None, None
+
+    def _forked(self) -> None:
+        """In a child forked while installed (a DataLoader worker): mark nothing, write nothing."""
+        self.thread, self.map, self.writer, self.dump, self.patches = -1, None, None, None, []
+
+    def patch(self) -> None:
+        """Put the wrappers in place (``installed`` does; ``unpatch`` takes them out).
+
+        One wrapper per original, made once: patched again, a function is replaced by the very
+        same object (so Python's specialised calls to it stay valid).
+        """
+        _compat.ddp_buffer_broadcast()  # checks that DDP's broadcast is where autoddp expects it
+        for module in (dist, dist.distributed_c10d):
+            for index, name in enumerate(record.NAMES):
+                original = vars(module).get(name)
+                if original is not None and index != _BACKWARD:
+                    self._replace(module, name, original, functools.partial(self._collective, index))
+        self._replace(torch.autograd, "backward", torch.autograd.backward, self._backward)
+        ddp = torch.nn.parallel.DistributedDataParallel
+        self._replace(ddp, "__init__", ddp.__init__, self._ddp_init)
+
+    def unpatch(self) -> None:
+        """The originals back, where a wrapper of ours is still in place."""
+        for owner, name, original, wrapper in reversed(self.patches):
+            if getattr(owner, name, None) is wrapper:
+                setattr(owner, name, original)
+        self.patches = []
+
+    def _replace(self, owner: Any, name: str, original: Any, make: Callable[[Any], Any]) -> None:
+        if id(original) not in self.wrappers:  # (the original is kept: its id stays its own)
+            self.wrappers[id(original)] = (original, make(original))
+        wrapper = self.wrappers[id(original)][1]
+        setattr(owner, name, wrapper)
+        self.patches.append((owner, name, original, wrapper))
+
+    # --- the record ---------------------------------------------------------------------------
+
+    def _write(self, kind: int, name: int) -> None:
+        self.kind, self.sequence, self.since = kind, self.sequence + 1, time.monotonic()
+        record.STATE.pack_into(self.map, _AT, self.sequence, self.flags, kind, name, self.since)
+
+    def mark(self, kind: int, site: str) -> bool:
+        """Mark a rank0() block (``record.WAITS_FOR_RANK0`` or ``RUNS_RANK0`` at ``site``).
+
+        True when marked: then call ``unmark`` when it ends. False where nothing is watched.
+        """
+        if self.kind or threading.get_ident() != self.thread or self.writer is None:
+            return False
+        self.writer.site(site)
+        self._write(kind, 0)
+        return True
+
+    def unmark(self) -> None:
+        if self.map is not None and threading.get_ident() == self.thread:
+            self._write(record.OUTSIDE, 0)
+
+    @contextlib.contextmanager
+    def marked(self, kind: int, site: str) -> Iterator[None]:
+        """``mark`` for a ``with`` block."""
+        marked = self.mark(kind, site)
+        try:
+            yield
+        finally:
+            if marked:
+                self.unmark()
+
+    # --- the wrappers -------------------------------------------------------------------------
+
+    def _collective(self, index: int, original: Callable[..., Any]) -> Callable[..., Any]:
+        marks, get_ident, compiling = self, threading.get_ident, torch.compiler.is_compiling
+
+        @functools.wraps(original)
+        def marked(*args: Any, **kwargs: Any) -> Any:
+            # Traced by torch.compile: exactly the original (``compiling()`` is a constant there).
+            if compiling() or marks.kind or get_ident() != marks.thread:
+                return original(*args, **kwargs)
+            marks._write(record.COLLECTIVE, index)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                marks._write(record.OUTSIDE, 0)
+
+        return marked
+
+    def _backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        marks, get_ident, compiling = self, threading.get_ident, torch.compiler.is_compiling
+
+        @functools.wraps(original)
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            if compiling() or marks.kind or not marks.flags & record.HAS_DDP or get_ident() != marks.thread:
+                return original(*args, **kwargs)
+            marks._write(record.BACKWARD, _BACKWARD)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                marks._write(record.OUTSIDE, 0)
+
+        return backward
+
+    def _ddp_init(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        marks = self
+
+        @functools.wraps(original)
+        def __init__(ddp: Any, *args: Any, **kwargs: Any) -> None:
+            original(ddp, *args, **kwargs)
+            if marks.map is not None and not marks.flags & record.HAS_DDP:
+                marks.flags |= record.HAS_DDP  # written with the next entry or exit
+
+        return __init__
+
+
+MARKS = Marks()
+
+
+def marking(world: World) -> contextlib.AbstractContextManager[None]:
+    """Keep this worker's hang record while the user's code runs in ``world``.
+
+    A no-op unless an autoddp launcher watches this worker (``AUTODDP_HANG_FOLDER``), the world
+    has several processes and this is the main thread; and inside a block already marked (a
+    decorated function called by a script the command runs).
+    """
+    folder = os.environ.get(record.FOLDER_VARIABLE)
+    if (
+        not folder
+        or world.world_size <= 1
+        or MARKS.thread != -1
+        or threading.current_thread() is not threading.main_thread()
+    ):
+        return contextlib.nullcontext()
+    return MARKS.installed(folder, world)
