@@ -75,6 +75,7 @@ def test_body_runs_once_and_every_rank_waits_for_it(tmp_path):
         store = dist.distributed_c10d._get_default_store()
         dist.barrier()
         keys_before = store.num_keys()
+        dist.barrier()  # every rank counted before rank 0's first block writes its outcome
         count = 0
         start = time.perf_counter()
         for _ in range(200):
@@ -117,6 +118,7 @@ def test_three_ranks_share_each_outcome_and_clean_up(tmp_path):
         store = dist.distributed_c10d._get_default_store()
         dist.barrier()
         keys_before = store.num_keys()
+        dist.barrier()  # every rank counted before rank 0's first block writes its outcome
         for i in range(50):
             with rank0():
                 _append(log, f"block {i}")
