@@ -86,7 +86,7 @@ def _start_capture(capture_on: bool, options: RunOptions) -> capture.Session | N
     if backend.use_cuda and world.device.startswith("cuda:"):
         torch.cuda.set_device(int(world.device.split(":")[1]))  # before the script touches CUDA
     script_world = _ScriptWorld(world, backend)
-    session = capture.Session(options, join=script_world.join)
+    session = capture.Session(options, join=script_world.join, planned=world)
     session.install()
     return session
 

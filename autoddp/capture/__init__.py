@@ -6,11 +6,14 @@ patches it installs and removes around that code only:
 - ``torch.optim.Optimizer.__init__``: the modules owning the optimizer's parameters are wrapped as
   ``prepare`` wraps them, where they are (``optimizers``);
 - ``DataLoader.__iter__`` and ``__len__``: a random loader is sharded at its first iteration (or
-  when its length is first asked, as a scheduler's steps per epoch), an ordered one left whole
-  (``loaders``);
+  when its length is first asked, as a scheduler's steps per epoch), an ordered one left whole;
+  a pass that begins in an evaluation context (no gradients, every model in ``eval()``) gets all
+  of a random loader (``loaders``);
 - ``torch.save`` to a path: written once, by rank 0, atomically (``saves``);
 - ``DistributedDataParallel.__init__``: a user's own DDP around a captured model takes over from
   autoddp's (never two);
+- ``torch.autograd.backward`` (its first call) and every optimizer step (torch's public global
+  step hook): what could not be distributed is said (``_undistributed``);
 - in a script, ``init_process_group``: the user's own group turns capture off (a torchrun-style
   script is left alone), one called after autoddp had to make the group is a clear error.
 
@@ -28,18 +31,22 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader
 
 from autoddp import _compat, _warn, models
 from autoddp.capture import loaders, optimizers
 from autoddp.capture._notice import Notice, where
 from autoddp.capture._registry import Registry, user_site
+from autoddp.capture._undistributed import Undistributed, caller_site, candidate_roots
 from autoddp.capture.saves import Saves
 from autoddp.errors import ConfigurationError
 from autoddp.models import optimizers as model_optimizers
 from autoddp.state import CURRENT, RunOptions, World
 
 _LOADER_SEED = "autoddp/capture/loader-seed/"
+#: Where the user's code made a DataLoader (kept in its ``__dict__``, for the notice).
+_SITE = "_autoddp_site"
 
 
 class Session:
@@ -50,7 +57,10 @@ class Session:
         options: RunOptions,
         world: World | None = None,
         join: Callable[[], World] | None = None,
+        planned: World | None = None,
     ) -> None:
+        """``world``: joined already; else ``join`` makes it when first needed (``planned``: what it
+        will be, so that the notice can speak before)."""
         self.options = options
         self._world = world
         self._join = join
@@ -58,9 +68,14 @@ class Session:
         self.registry = Registry()
         self.busy = False
         self._patches: list[tuple[Any, str, Any]] = []
+        self._handles: list[Any] = []
         self._loaders = 0
         self.notice: Notice | None = None
         self.saves: Saves | None = None
+        known = world or planned
+        self.undistributed = Undistributed(known.world_size if known is not None else 0)
+        if planned is not None:
+            self.notice = Notice(planned.rank, planned.world_size)
         if world is not None:
             self.world()
 
@@ -70,9 +85,12 @@ class Session:
         CURRENT.capture = self
         self.registry.install()
         self._patch(torch.optim.Optimizer, "__init__", self._optimizer_init)
+        self._patch(DataLoader, "__init__", self._loader_init)
         self._patch(DataLoader, "__iter__", self._loader_iter)
         self._patch(DataLoader, "__len__", self._loader_len)
         self._patch(torch.nn.parallel.DistributedDataParallel, "__init__", self._ddp_init)
+        self._patch(torch.autograd, "backward", self._backward)
+        self._handles.append(register_optimizer_step_pre_hook(self._before_step))
         for owner in (torch, torch.serialization):
             self._patch(owner, "save", self._save)
         if self._join is not None:  # a script: the user may make the group themselves
@@ -83,6 +101,9 @@ class Session:
         for owner, name, original in reversed(self._patches):
             setattr(owner, name, original)
         self._patches = []
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
         self.registry.uninstall()
         if CURRENT.capture is self:
             CURRENT.capture = None
@@ -109,6 +130,7 @@ class Session:
             self.made_group = True
         if self.notice is None:
             self.notice = Notice(self._world.rank, self._world.world_size)
+        if self.saves is None:
             self.saves = Saves(self._world.rank)
         return self._world
 
@@ -155,11 +177,17 @@ class Session:
             )
         return optimizers.rebind(items, mapping)
 
+    def _loader_init(self, original: Any) -> Any:
+        def __init__(loader: DataLoader, *args: Any, **kwargs: Any) -> None:
+            loader.__dict__[_SITE] = user_site(sys._getframe(1), made=loader)  # for the notice
+            original(loader, *args, **kwargs)
+
+        return __init__
+
     def _loader_iter(self, original: Any) -> Any:
         def __iter__(loader: DataLoader) -> Any:
-            if not self.busy and not loader.__dict__.get("_autoddp_seen"):
-                loader.__dict__["_autoddp_seen"] = True
-                self._shard(loader, user_site(sys._getframe(1)))
+            if not self.busy:
+                self._begin_pass(loader, loader.__dict__.get(_SITE) or user_site(sys._getframe(1)))
             return original(loader)
 
         return __iter__
@@ -167,19 +195,42 @@ class Session:
     def _loader_len(self, original: Any) -> Any:
         def __len__(loader: DataLoader) -> int:
             # len(loader) before the first pass (a scheduler's steps per epoch) is this rank's share
-            if not self.busy and not loader.__dict__.get("_autoddp_seen"):
+            if self.busy:
+                return original(loader)
+            evaluating = loaders.evaluating(CURRENT.wrapped_models())
+            if not loader.__dict__.get("_autoddp_seen"):
                 loader.__dict__["_autoddp_seen"] = True
-                self._shard(loader, user_site(sys._getframe(1)))
-            return original(loader)
+                self._shard(loader, loader.__dict__.get(_SITE) or user_site(sys._getframe(1)), evaluating)
+            shares = loader.__dict__.get(loaders.Shares.KEY)
+            if shares is None or shares.in_use == ("whole" if evaluating else "shard"):
+                return original(loader)
+            return shares.length("whole" if evaluating else "shard")
 
         return __len__
 
-    def _shard(self, loader: DataLoader, site: tuple[str, int]) -> None:
+    def _begin_pass(self, loader: DataLoader, site: tuple[str, int]) -> None:
+        """Before a pass: shard a random loader the first time; give the pass the order it needs."""
+        evaluating = loaders.evaluating(CURRENT.wrapped_models())
+        if not loader.__dict__.get("_autoddp_seen"):
+            loader.__dict__["_autoddp_seen"] = True
+            self._shard(loader, site, evaluating)
+        shares = loader.__dict__.get(loaders.Shares.KEY)
+        if shares is None:
+            return
+        shares.use(loader, "whole" if evaluating else "shard")
+        # a whole pass while gradients are on may be training: an optimizer step in it is said
+        self.undistributed.whole_pass = site if shares.in_use == "whole" and torch.is_grad_enabled() else None
+
+    def _shard(self, loader: DataLoader, site: tuple[str, int], evaluating: bool = False) -> None:
         kind = loaders.kind(loader)
+        if kind in ("distributed", "iterable"):
+            self.undistributed.data_shared = True  # given out by rank already, or by the dataset
         if kind == "distributed":
             return  # prepared, or the user's own DistributedSampler: as it is
         if kind != "random":
-            if self.notice is not None:  # (a script that made no group yet has nothing to say)
+            if kind == "ordered":
+                self.undistributed.ordered.append(site)
+            if self.notice is not None:
                 line = f"DataLoader ({where(site)}): left whole: {loaders.REASONS[kind]}"
                 self.notice.say(("loader", id(loader)), line, captured=False)
             return
@@ -193,11 +244,21 @@ class Session:
                 line = f"DataLoader ({where(site)}): left whole: {reason}"
                 self.notice.say(("loader", id(loader)), line, captured=False)
                 return
+            whole = (loader.sampler, loader.batch_sampler)
             shard_loader(loader, world, seed=self._shared_seed(user_seed(loader), world))
-        self.notice.say(
-            ("loader", id(loader)),
-            f"DataLoader ({where(site)}): sharded, each process takes 1/{world.world_size} of every epoch",
-        )
+            shard = (loader.sampler, loader.batch_sampler)
+            loader.__dict__[loaders.Shares.KEY] = loaders.Shares(whole, shard)
+        self.undistributed.data_shared = True
+        share = f"each process takes 1/{world.world_size} of every epoch"
+        if evaluating:
+            line = (
+                f"DataLoader ({where(site)}): shuffled, first iterated for evaluation (no gradients, "
+                f"or every model in eval()): left whole there, every rank sees all of it; a pass "
+                f"while training is sharded, {share}"
+            )
+        else:
+            line = f"DataLoader ({where(site)}): sharded, {share}; left whole in evaluation passes"
+        self.notice.say(("loader", id(loader)), line)
 
     def _shared_seed(self, seed: int, world: World) -> int:
         """Rank 0's shuffle seed for this loader, through the store: rank 0 never waits for it."""
@@ -224,6 +285,20 @@ class Session:
             return None
 
         return save
+
+    def _backward(self, original: Any) -> Any:
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            if not self.undistributed.backward_checked and not self.busy:
+                roots = candidate_roots(self.registry, sys._getframe(1), CURRENT.wrapped_models())
+                self.undistributed.after_first_backward(self.notice, roots, user_site(sys._getframe(1)))
+            return result
+
+        return backward
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self.busy:
+            self.undistributed.before_step(self.notice, caller_site())
 
     def _ddp_init(self, original: Any) -> Any:
         def __init__(ddp: Any, module: Any, *args: Any, **kwargs: Any) -> None:

@@ -60,13 +60,25 @@ class Registry:
     def _remember_site(self, module: torch.nn.Module) -> None:
         known = self._site.get(id(module))
         if known is None or known[0]() is not module:
-            self._site[id(module)] = (weakref.ref(module), user_site(sys._getframe(2)))
+            self._site[id(module)] = (weakref.ref(module), user_site(sys._getframe(2), made=module))
 
     def owner(self, param: torch.Tensor) -> torch.nn.Module | None:
         return _lookup(self._owner, param)
 
     def parent(self, module: torch.nn.Module) -> torch.nn.Module | None:
         return _lookup(self._parent, module)
+
+    def roots(self) -> list[torch.nn.Module]:
+        """The outermost known modules above every parameter registered under capture (each once)."""
+        found: dict[int, torch.nn.Module] = {}
+        for param_ref, module_ref in list(self._owner.values()):
+            module = module_ref()
+            if module is None or param_ref() is None:
+                continue
+            while (parent := self.parent(module)) is not None:
+                module = parent
+            found.setdefault(id(module), module)
+        return list(found.values())
 
     def site(self, module: torch.nn.Module) -> Site | None:
         known = self._site.get(id(module))
@@ -80,9 +92,16 @@ def _lookup(table: dict[int, tuple[weakref.ref, weakref.ref]], key: Any) -> Any:
     return entry[1]()
 
 
-def user_site(frame: FrameType | None) -> Site:
-    """(file, line) of the first frame outside autoddp, torch and the standard helpers."""
-    while frame is not None and _warn.is_library(frame.f_code.co_filename):
+def user_site(frame: FrameType | None, made: Any = None) -> Site:
+    """(file, line) of the first frame outside autoddp, torch and the standard helpers.
+
+    ``made``: an object being constructed; frames of its own ``__init__`` (a model's class body)
+    are passed too, so the site is the line that created it (``model = Net()``).
+    """
+    while frame is not None and (
+        _warn.is_library(frame.f_code.co_filename)
+        or (made is not None and frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is made)
+    ):
         frame = frame.f_back
     return (frame.f_code.co_filename, frame.f_lineno) if frame is not None else ("<unknown>", 0)
 

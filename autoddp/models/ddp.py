@@ -219,7 +219,8 @@ def wrap_model(
     CURRENT.track(module, DDP)
     if not distributed:
         return module
-    if not sync_batchnorm and any(isinstance(m, _BATCHNORMS) for m in module.modules()):
+    if not sync_batchnorm and world.rank == 0 and any(isinstance(m, _BATCHNORMS) for m in module.modules()):
+        # (said by rank 0 only: every rank would say the same)
         _warn.warn(_batchnorm_hint(type(module).__name__, world.device))
     _REGISTRATIONS.install()
     object.__setattr__(module, _routing.REPLICA_ATTR, Replica(module, ddp_kwargs or {}))
