@@ -169,15 +169,6 @@ def _distribute(sampler: Any, world: World, seed: int) -> DistributedSampler:
         and sampler.num_samples == len(sampler.data_source)
     ):
         return AutoEpochSampler(sampler.data_source, world=world, shuffle=True, seed=seed)
-    try:
-        len(sampler)
-    except TypeError as error:
-        raise ConfigurationError(
-            f"autoddp cannot shard the DataLoader's {type(sampler).__name__}: it has no len(), so its "
-            "share per process is unknown. Give it a __len__, or shard it yourself by making it a "
-            "subclass of torch.utils.data.distributed.DistributedSampler that yields only this "
-            "process's share (autoddp leaves those as they are)"
-        ) from error
     return ShardedSampler(sampler, world=world, seed=seed)
 
 

@@ -11,11 +11,13 @@ DataLoader sampler's shared shuffle seed still comes from the caller's seed (see
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import pickle
 import random
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -64,3 +66,29 @@ def derive(digest: bytes, rank: int) -> int:
 
 def _digest(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
+
+
+class Private:
+    """Random states of a sampler's own, swapped in around each part of its draw.
+
+    A sampler drawn in parts, between the user's steps, must give the same order on every rank
+    whatever the user's code draws in between, and the user's code must continue its own streams
+    as if nothing had drawn: ``swapped()`` keeps the user's states aside, puts these in, and on
+    exit saves these for the next part and puts the user's back. Torch's global CPU generator and
+    the sampler's own ``generator`` attribute are covered, all seeded from one shared seed.
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+        self._torch = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def swapped(self) -> Iterator[None]:
+        """Draw from these states inside the block; the user's are back after it."""
+        users = torch.get_rng_state()
+        torch.set_rng_state(self._torch)
+        try:
+            yield
+        finally:
+            self._torch = torch.get_rng_state()
+            torch.set_rng_state(users)

@@ -1,0 +1,146 @@
+"""Loaders that plain code makes, captured: huge and endless samplers, samplers of one's own,
+loaders re-created every epoch, too few samples for a batch, DataLoader subclasses.
+
+Real 2-process gloo runs under the decorator and the command; each test checks the exact indices
+every rank saw (disjoint, complete per epoch, the same draw on every rank) or the exact message.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler
+
+import autoddp
+from conftest import run_python, write
+
+HUGE = int(1e10)  # "train for N iterations": a sampler far longer than any list could hold
+
+
+class Indices(Dataset):
+    """Item i is i."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def _all(value):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _interleave(shares):
+    """The global order whose position i * W + r is rank r's i-th item."""
+    return [share[i] for i in range(len(shares[0])) for share in shares]
+
+
+# -- 1. huge and endless samplers are streamed, not drawn in full --------------------------------
+
+STEPS = 2500  # 10,000 items per rank: the order is drawn in several parts
+
+
+@autoddp.distributed(nproc=2)
+def _huge_sampler():
+    torch.manual_seed(0)
+    data = Indices(10)
+    loader = DataLoader(data, batch_size=4, sampler=RandomSampler(data, replacement=True, num_samples=HUGE))
+    length = len(loader)
+    seen, draws = [], []
+    batches = iter(loader)
+    state = torch.get_rng_state()
+    for _ in range(STEPS):
+        seen += next(batches).tolist()
+        draws.append(torch.rand(1).item())  # the user's own draws between batches (dropout, noise)
+    torch.set_rng_state(state)
+    replay = [torch.rand(1).item() for _ in range(STEPS)]
+    return {"len": length, "seen": _all(seen), "own_stream": draws == replay, "seed": loader.sampler.seed}
+
+
+def test_a_huge_sampler_is_streamed_and_shared_out_by_position():
+    out = _huge_sampler()
+    assert out["len"] == HUGE // 2 // 4
+    shares = out["seen"]
+    assert len(shares[0]) == len(shares[1]) == STEPS * 4
+    # one draw, made under the shared seed, dealt out by position: rank r takes every 2nd item
+    reference = RandomSampler(
+        Indices(10), replacement=True, num_samples=HUGE, generator=torch.Generator().manual_seed(out["seed"])
+    )
+    assert _interleave(shares) == list(itertools.islice(reference, 2 * STEPS * 4))
+    assert out["own_stream"]  # the user's draws between batches continue the user's own stream
+
+
+class Forever(Sampler):
+    """An endless sampler with no length: one shuffled pass of range(n) after another."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        while True:
+            yield from torch.randperm(self.n).tolist()
+
+
+@autoddp.distributed(nproc=2)
+def _endless_sampler():
+    loader = DataLoader(Indices(10), batch_size=3, sampler=Forever(10))
+    seen = []
+    for step, batch in enumerate(loader):
+        seen += batch.tolist()
+        torch.rand(autoddp.rank() + 1)  # the ranks draw differently in between: the order is unmoved
+        if step == 2999:
+            break
+    try:
+        len(loader)
+    except TypeError:  # as in one process: an endless sampler has no length
+        length = None
+    return {"seen": _all(seen), "len": length, "seed": loader.sampler.seed}
+
+
+def test_an_endless_sampler_without_a_length_is_streamed():
+    out = _endless_sampler()
+    assert out["len"] is None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(out["seed"])
+        reference = list(itertools.islice(iter(Forever(10)), 2 * 3000 * 3))
+    assert _interleave(out["seen"]) == reference
+
+
+ENDLESS_SCRIPT = """
+    import json, os, sys, torch
+    from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.arange(10))
+    iterations = RandomSampler(data, replacement=True, num_samples=int(1e10))
+    loader = DataLoader(data, batch_size=2, sampler=iterations)
+    seen = []
+    for step, (i,) in enumerate(loader):  # train for 100 iterations
+        seen += i.tolist()
+        if step == 99:
+            break
+    with open(sys.argv[1] + "." + os.environ.get("RANK", "0"), "w") as f:
+        json.dump({"seen": seen, "len": len(loader), "seed": getattr(loader.sampler, "seed", None)}, f)
+"""
+
+
+def test_an_unmodified_script_trains_for_n_iterations_on_a_huge_sampler(tmp_path):
+    script = write(tmp_path / "iterations.py", ENDLESS_SCRIPT)
+    result = run_python(["-m", "autoddp.cli", "-n", "2", str(script), str(tmp_path / "out")])
+    assert result.returncode == 0, result.stderr
+    ranks = [json.loads((tmp_path / f"out.{r}").read_text()) for r in (0, 1)]
+    assert [r["len"] for r in ranks] == [HUGE // 2 // 2] * 2
+    assert ranks[0]["seed"] == ranks[1]["seed"]
+    generator = torch.Generator().manual_seed(ranks[0]["seed"])
+    reference = RandomSampler(Indices(10), replacement=True, num_samples=HUGE, generator=generator)
+    assert _interleave([r["seen"] for r in ranks]) == list(itertools.islice(reference, 400))
+    assert "sharded" in result.stderr
