@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 
 import torch
 import torch.distributed as dist
@@ -144,3 +145,68 @@ def test_an_unmodified_script_trains_for_n_iterations_on_a_huge_sampler(tmp_path
     reference = RandomSampler(Indices(10), replacement=True, num_samples=HUGE, generator=generator)
     assert _interleave([r["seen"] for r in ranks]) == list(itertools.islice(reference, 400))
     assert "sharded" in result.stderr
+
+
+# -- 3. samplers of one's own that shuffle with Python's random or NumPy -------------------------
+
+
+class Buckets(Sampler):
+    """A bucket sampler of one's own: Python's random shuffles the buckets, NumPy each bucket."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        import numpy
+
+        buckets = [list(range(start, min(start + 8, self.n))) for start in range(0, self.n, 8)]
+        random.shuffle(buckets)
+        return iter([i for bucket in buckets for i in numpy.random.permutation(bucket).tolist()])
+
+
+class Augmented(Indices):
+    """A dataset that augments with Python's random in __getitem__ (between the sampler's draws)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.draws: list[float] = []
+
+    def __getitem__(self, i: int) -> int:
+        self.draws.append(random.random())
+        return i
+
+
+@autoddp.distributed(nproc=2)
+def _own_sampler():
+    import numpy
+
+    random.seed(autoddp.rank())  # the ranks' own streams differ: the order must not
+    numpy.random.seed(autoddp.rank())
+    data = Augmented(40)
+    loader = DataLoader(data, batch_size=4, sampler=Buckets(40))
+    epochs, own = [], []
+    for _ in range(3):
+        batches = iter(loader)
+        state = random.getstate()
+        order, draws = [], []
+        for batch in batches:
+            order += batch.tolist()
+            draws.append(random.random())
+        random.setstate(state)  # replay: the dataset's 4 draws, then the step's, per batch
+        replay = [[random.random() for _ in range(5)] for _ in range(5)]
+        own.append(replay == [[*data.draws[4 * b : 4 * b + 4], draws[b]] for b in range(5)])
+        data.draws.clear()
+        epochs.append(order)
+    return {"epochs": _all(epochs), "own": own}
+
+
+def test_a_sampler_shuffling_with_random_and_numpy_is_split_disjointly():
+    out = _own_sampler()
+    rank0, rank1 = out["epochs"]
+    for epoch in range(3):
+        assert sorted(rank0[epoch] + rank1[epoch]) == list(range(40))  # none unseen, none twice
+    assert len({tuple(_interleave([rank0[e], rank1[e]])) for e in range(3)}) == 3  # reshuffled
+    assert out["own"] == [True] * 3  # the user's random stream is the user's alone
