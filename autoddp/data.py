@@ -23,7 +23,7 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-from autoddp import _compat, _warn
+from autoddp import _compat, _warn, streams
 from autoddp.errors import ConfigurationError
 from autoddp.process_group import comm_device
 from autoddp.samplers import AutoEpochSampler, ShardedSampler
@@ -172,26 +172,34 @@ def _distribute(sampler: Any, world: World, seed: int) -> DistributedSampler:
     return ShardedSampler(sampler, world=world, seed=seed)
 
 
-def user_seed(loader: DataLoader) -> int:
-    """The shuffle seed the user chose for ``loader`` (see ``_user_seed``)."""
+def user_seed(loader: DataLoader, number: int = 0) -> int:
+    """The shuffle seed for ``loader``, the ``number``-th loader sharded in this run (see ``_user_seed``)."""
     batch_sampler = loader.batch_sampler
     if loader.batch_size is None and batch_sampler is not None and type(batch_sampler) is not BatchSampler:
-        return _user_seed(loader, batch_sampler)
-    return _user_seed(loader, batch_sampler.sampler if batch_sampler is not None else loader.sampler)
+        return _user_seed(loader, batch_sampler, number)
+    sampler = batch_sampler.sampler if batch_sampler is not None else loader.sampler
+    return _user_seed(loader, sampler, number)
 
 
-def _user_seed(loader: DataLoader, sampler: Any) -> int:
-    """The seed the user chose: the sampler's or the loader's generator, else ``torch.manual_seed``.
+def _user_seed(loader: DataLoader, sampler: Any, number: int = 0) -> int:
+    """The seed the user chose: a draw from the sampler's or loader's generator, else torch's seed.
 
-    In a worker autoddp seeded (``autoddp.streams``), torch's seed is the caller's unless the
-    function set its own.
+    As in one process: a generator the user passed decides the order, so a fresh one seeded alike
+    repeats it, and one reused by the loaders of later epochs moves on (one draw from it per
+    loader). Without one, one process's RandomSampler draws a new seed from the global generator
+    at every pass, which differs between ranks here, so the ``number``-th loader of the run (a
+    loader made anew every epoch) gets its own seed derived from the user's. In a worker autoddp
+    seeded (``autoddp.streams``), torch's seed is the caller's unless the function set its own.
     """
     for generator in (getattr(sampler, "generator", None), loader.generator):
         if isinstance(generator, torch.Generator):
-            return generator.initial_seed() % _SEED_RANGE
+            draw = torch.empty((), dtype=torch.int64, device=generator.device).random_(generator=generator)
+            return int(draw.item()) % _SEED_RANGE
     seed = torch.initial_seed()
     if CURRENT.seeds is not None and seed == CURRENT.seeds[0]:
         seed = CURRENT.seeds[1]
+    if number:
+        seed = streams.derive(seed.to_bytes(8, "little"), number)
     return seed % _SEED_RANGE
 
 

@@ -210,3 +210,61 @@ def test_a_sampler_shuffling_with_random_and_numpy_is_split_disjointly():
         assert sorted(rank0[epoch] + rank1[epoch]) == list(range(40))  # none unseen, none twice
     assert len({tuple(_interleave([rank0[e], rank1[e]])) for e in range(3)}) == 3  # reshuffled
     assert out["own"] == [True] * 3  # the user's random stream is the user's alone
+
+
+# -- 4. a DataLoader made anew every epoch reshuffles, as in one process -------------------------
+
+
+def _new_loader_every_epoch():
+    torch.manual_seed(0)
+    data = Indices(16)
+    reused = torch.Generator().manual_seed(5)
+    epochs = {"global": [], "fresh": [], "reused": []}
+    for _ in range(3):
+        for name, orders in epochs.items():
+            generator = {"global": None, "fresh": torch.Generator().manual_seed(5), "reused": reused}[name]
+            loader = DataLoader(data, batch_size=4, shuffle=True, generator=generator)
+            orders.append([i for batch in loader for i in batch.tolist()])
+    return epochs
+
+
+@autoddp.distributed(nproc=2)
+def _new_loader_every_epoch_on_two():
+    return _all(_new_loader_every_epoch())
+
+
+def test_a_loader_made_anew_every_epoch_reshuffles_as_in_one_process():
+    one = _new_loader_every_epoch()
+    rank0, rank1 = _new_loader_every_epoch_on_two()
+    for name in ("global", "fresh", "reused"):
+        orders = [_interleave([rank0[name][e], rank1[name][e]]) for e in range(3)]
+        assert all(sorted(order) == list(range(16)) for order in orders), name  # disjoint, complete
+        # a new order every epoch where one process has one (the global generator, a generator
+        # reused), the same order where one process repeats it (a fresh generator, same seed)
+        assert len({tuple(order) for order in orders}) == len({tuple(order) for order in one[name]}), name
+    assert len({tuple(order) for order in one["global"]}) == 3 and len({tuple(o) for o in one["fresh"]}) == 1
+
+
+NEW_LOADER_SCRIPT = """
+    import json, os, sys, torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.arange(16))
+    seen = []
+    for epoch in range(3):
+        loader = DataLoader(data, batch_size=4, shuffle=True)  # made anew every epoch
+        seen.append([i for (batch,) in loader for i in batch.tolist()])
+    with open(sys.argv[1] + "." + os.environ.get("RANK", "0"), "w") as f:
+        json.dump(seen, f)
+"""
+
+
+def test_an_unmodified_script_making_its_loader_every_epoch_reshuffles(tmp_path):
+    script = write(tmp_path / "epochs.py", NEW_LOADER_SCRIPT)
+    result = run_python(["-m", "autoddp.cli", "-n", "2", str(script), str(tmp_path / "out")])
+    assert result.returncode == 0, result.stderr
+    rank0, rank1 = [json.loads((tmp_path / f"out.{r}").read_text()) for r in (0, 1)]
+    orders = [_interleave([rank0[e], rank1[e]]) for e in range(3)]
+    assert all(sorted(order) == list(range(16)) for order in orders)
+    assert len({tuple(order) for order in orders}) == 3

@@ -193,7 +193,8 @@ class Session:
                 line = f"DataLoader ({where(site)}): left whole: {reason}"
                 self.notice.say(("loader", id(loader)), line, captured=False)
                 return
-            shard_loader(loader, world, seed=self._shared_seed(user_seed(loader), world))
+            seed = user_seed(loader, number=self._loaders)  # the run's n-th loader: its own seed
+            shard_loader(loader, world, seed=self._shared_seed(seed, world))
         self.notice.say(
             ("loader", id(loader)),
             f"DataLoader ({where(site)}): sharded, each process takes 1/{world.world_size} of every epoch",
