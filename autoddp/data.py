@@ -93,12 +93,39 @@ def shard_loader(loader: DataLoader, world: World, *, seed: int | None = None) -
         else:
             new_batch_sampler = None
 
+    if isinstance(new_batch_sampler, BatchSampler):
+        _refuse_no_batch(source, new_batch_sampler, world)
     if _compat.loader_iterator(loader) is None:
         # DataLoader.__setattr__ refuses these names after __init__; nothing else holds them yet.
         object.__setattr__(loader, "sampler", new_sampler)
         object.__setattr__(loader, "batch_sampler", new_batch_sampler)
         return loader
     return _rebuild(loader, new_sampler, new_batch_sampler, user_batches)
+
+
+def _refuse_no_batch(source: Any, batches: BatchSampler, world: World) -> None:
+    """Refuse a ``drop_last`` loader that sharding leaves without a single batch.
+
+    One process would train on at least one batch; each rank's share would yield none, and the
+    run would end well with an untrained model. An error names the numbers and the fix: keeping
+    one process's count instead would mean a smaller batch or repeated samples, silently.
+    """
+    if not batches.drop_last:
+        return
+    try:
+        total, share = len(source), len(batches.sampler)
+    except TypeError:  # an endless sampler: never out of batches
+        return
+    size = batches.batch_size
+    if share >= size or total < size:
+        return
+    raise ConfigurationError(
+        f"this DataLoader has drop_last=True and batch_size={size}: sharded over {world.world_size} "
+        f"processes, each process gets {share} of its {total} samples, fewer than one batch, so it "
+        f"would yield no batch at all (one process: {total // size} batch"
+        f"{'es' if total // size > 1 else ''}) and nothing would train. Use a batch_size of at most "
+        f"{share} (the global batch is batch_size x {world.world_size}), or drop_last=False"
+    )
 
 
 #: Names in an IterableDataset's ``__iter__`` (or its attributes) that show it reads the rank itself.

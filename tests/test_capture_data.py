@@ -11,11 +11,13 @@ import itertools
 import json
 import random
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler
 
 import autoddp
+from autoddp import ConfigurationError
 from conftest import run_python, write
 
 HUGE = int(1e10)  # "train for N iterations": a sampler far longer than any list could hold
@@ -268,3 +270,23 @@ def test_an_unmodified_script_making_its_loader_every_epoch_reshuffles(tmp_path)
     orders = [_interleave([rank0[e], rank1[e]]) for e in range(3)]
     assert all(sorted(order) == list(range(16)) for order in orders)
     assert len({tuple(order) for order in orders}) == 3
+
+
+# -- 7. a drop_last loader that sharding would leave without a batch -----------------------------
+
+
+def test_a_drop_last_loader_that_sharding_leaves_without_a_batch_is_a_clear_error():
+    @autoddp.distributed(nproc=2)
+    def train():
+        loader = DataLoader(Indices(100), batch_size=64, shuffle=True, drop_last=True)
+        for _ in loader:  # one process: 1 batch; each of 2 processes would have 50 samples, no batch
+            pass
+
+    with pytest.raises(ConfigurationError) as caught:
+        train()
+    assert str(caught.value).splitlines()[0] == (
+        "[rank 0 of 2] this DataLoader has drop_last=True and batch_size=64: sharded over 2 processes, "
+        "each process gets 50 of its 100 samples, fewer than one batch, so it would yield no batch at "
+        "all (one process: 1 batch) and nothing would train. Use a batch_size of at most 50 (the "
+        "global batch is batch_size x 2), or drop_last=False"
+    )
