@@ -69,6 +69,10 @@ def shard_loader(loader: DataLoader, world: World, *, seed: int | None = None) -
         )
         return loader
 
+    inner = wrapped_batches(loader)
+    if inner is not None:
+        return _shard_wrapped(loader, inner, world, seed)
+
     batch_sampler = loader.batch_sampler
     user_batches = loader.batch_size is None and batch_sampler is not None
     plain_batches = user_batches and type(batch_sampler) is BatchSampler
@@ -101,6 +105,35 @@ def shard_loader(loader: DataLoader, world: World, *, seed: int | None = None) -
         object.__setattr__(loader, "batch_sampler", new_batch_sampler)
         return loader
     return _rebuild(loader, new_sampler, new_batch_sampler, user_batches)
+
+
+def wrapped_batches(loader: DataLoader) -> BatchSampler | None:
+    """DataLoader's own BatchSampler, when the loader's class wrapped it after ``__init__``.
+
+    A loader made with a ``batch_size`` gets a plain BatchSampler from DataLoader; another object
+    in its place means a subclass put one around it (timm's MultiEpochsDataLoader repeats it
+    forever, to keep its workers across epochs). The order is the wrapped BatchSampler's, found
+    through ``.sampler`` attributes, and the subclass keeps its own iteration logic.
+    """
+    if loader.batch_size is None or type(loader.batch_sampler) is BatchSampler:
+        return None
+    found = loader.batch_sampler
+    for _ in range(4):
+        found = getattr(found, "sampler", None)
+        if type(found) is BatchSampler:
+            return found
+    return None
+
+
+def _shard_wrapped(loader: DataLoader, inner: BatchSampler, world: World, seed: int | None) -> DataLoader:
+    """Shard a loader whose BatchSampler its class wrapped: the sampler inside changes, the wrapper stays."""
+    if seed is None:
+        seed = _shared_seed(_user_seed(loader, inner.sampler), world)
+    sampler = _distribute(inner.sampler, world, seed)
+    _refuse_no_batch(inner.sampler, BatchSampler(sampler, inner.batch_size, inner.drop_last), world)
+    inner.sampler = sampler  # DataLoader's own object, made for this loader: every iterator sees it
+    object.__setattr__(loader, "sampler", sampler)
+    return loader
 
 
 def _refuse_no_batch(source: Any, batches: BatchSampler, world: World) -> None:

@@ -290,3 +290,60 @@ def test_a_drop_last_loader_that_sharding_leaves_without_a_batch_is_a_clear_erro
         "all (one process: 1 batch) and nothing would train. Use a batch_size of at most 50 (the "
         "global batch is batch_size x 2), or drop_last=False"
     )
+
+
+# -- 12. a DataLoader subclass with its own __iter__ (workers reused across epochs) --------------
+
+
+class Repeating:
+    """Goes over a batch sampler again and again, so one loader iterator serves every epoch."""
+
+    def __init__(self, sampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self):
+        while True:
+            yield from self.sampler
+
+
+class ReusedWorkers(DataLoader):
+    """The user's pattern (as timm's MultiEpochsDataLoader): one iterator, made once, for all epochs."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._DataLoader__initialized = False
+        self.batch_sampler = Repeating(self.batch_sampler)
+        self._DataLoader__initialized = True
+        self.iterator = super().__iter__()
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler.sampler)
+
+    def __iter__(self):
+        for _ in range(len(self)):
+            yield next(self.iterator)
+
+
+@autoddp.distributed(nproc=2)
+def _reused_workers():
+    torch.manual_seed(0)
+    train = ReusedWorkers(Indices(20), batch_size=4, shuffle=True)
+    evaluation = ReusedWorkers(Indices(20), batch_size=4)
+    epochs, evaluated = [], []
+    for _ in range(3):
+        epochs.append([i for batch in train for i in batch.tolist()])
+        evaluated.append([i for batch in evaluation for i in batch.tolist()])
+    return {"epochs": _all(epochs), "evaluated": _all(evaluated), "len": _all([len(train), len(evaluation)])}
+
+
+def test_a_loader_subclass_with_its_own_iter_is_sharded_or_left_whole_by_its_order(capfd):
+    out = _reused_workers()
+    assert out["len"] == [[3, 5], [3, 5]]  # 10 samples each in batches of 4; all 20 for evaluation
+    rank0, rank1 = out["epochs"]
+    orders = [_interleave([rank0[e], rank1[e]]) for e in range(3)]
+    assert all(sorted(order) == list(range(20)) for order in orders)  # disjoint, complete
+    assert len({tuple(order) for order in orders}) == 3  # reshuffled every epoch
+    assert out["evaluated"] == [[list(range(20))] * 3] * 2  # in order: every rank all of it
+    notice = capfd.readouterr().err
+    assert notice.count("sharded, each process takes 1/2") == 1
+    assert notice.count("left whole: in order") == 1

@@ -3,14 +3,16 @@
 A DataLoader whose order is random (``shuffle=True``, any sampler but the sequential one, a custom
 batch sampler) is sharded on its first iteration exactly as ``autoddp.prepare`` shards it. A
 sequential loader (``shuffle=False``: the usual evaluation loader) is left whole, so metrics
-computed by plain code equal the single-process ones (every rank evaluates everything).
+computed by plain code equal the single-process ones (every rank evaluates everything). A
+DataLoader subclass that wraps DataLoader's own BatchSampler to keep its workers across epochs
+(timm's MultiEpochsDataLoader) is judged by the order inside the wrapper, and keeps its wrapper.
 """
 
 from __future__ import annotations
 
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
 
-from autoddp.data import distributed_sampler
+from autoddp.data import distributed_sampler, wrapped_batches
 
 
 def kind(loader: DataLoader) -> str:
@@ -20,6 +22,9 @@ def kind(loader: DataLoader) -> str:
     if distributed_sampler(loader) is not None:
         return "distributed"
     batch_sampler = loader.batch_sampler
+    wrapped = wrapped_batches(loader)  # a subclass's wrapper around DataLoader's own BatchSampler
+    if wrapped is not None:
+        return "ordered" if type(wrapped.sampler) is SequentialSampler else "random"
     if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
         return "random"  # a custom batch sampler: shared out by whole batches
     sampler = batch_sampler.sampler if batch_sampler is not None else loader.sampler
