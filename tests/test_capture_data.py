@@ -347,3 +347,44 @@ def test_a_loader_subclass_with_its_own_iter_is_sharded_or_left_whole_by_its_ord
     notice = capfd.readouterr().err
     assert notice.count("sharded, each process takes 1/2") == 1
     assert notice.count("left whole: in order") == 1
+
+
+# -- the notice names the line that made each loader ---------------------------------------------
+
+SITES_SCRIPT = """
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+
+    class Sized(DataLoader):
+        def __init__(self, dataset, size):
+            super().__init__(dataset, batch_size=size, shuffle=True)
+
+
+    data = TensorDataset(torch.arange(16))
+    train = DataLoader(data, batch_size=4, shuffle=True)  # made here
+    own = Sized(data, 4)  # made here
+    evaluation = DataLoader(data, batch_size=4)  # made here
+
+
+    def epoch(loader):
+        return [i for (batch,) in loader for i in batch.tolist()]
+
+
+    for loader in (train, own, evaluation):
+        epoch(loader)
+"""
+
+
+def test_the_notice_names_the_line_that_made_each_loader(tmp_path):
+    script = write(tmp_path / "sites.py", SITES_SCRIPT)
+    made = [n for n, line in enumerate(script.read_text().splitlines(), 1) if line.endswith("# made here")]
+    result = run_python(["-m", "autoddp.cli", "-n", "2", str(script)])
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "DataLoader (" in line]
+    assert lines == [
+        f"autoddp:   DataLoader (sites.py:{made[0]}): sharded, each process takes 1/2 of every epoch",
+        f"autoddp:   DataLoader (sites.py:{made[1]}): sharded, each process takes 1/2 of every epoch",
+        f"autoddp:   DataLoader (sites.py:{made[2]}): left whole: in order (shuffle=False, e.g. "
+        "evaluation): every rank sees all of it",
+    ]

@@ -5,6 +5,7 @@ patches it installs and removes around that code only:
 
 - ``torch.optim.Optimizer.__init__``: the modules owning the optimizer's parameters are wrapped as
   ``prepare`` wraps them, where they are (``optimizers``);
+- ``DataLoader.__init__``: the line that made a loader is remembered, for the notice;
 - ``DataLoader.__iter__`` and ``__len__``: a random loader is sharded at its first iteration (or
   when its length is first asked, as a scheduler's steps per epoch), an ordered one left whole
   (``loaders``);
@@ -70,6 +71,7 @@ class Session:
         CURRENT.capture = self
         self.registry.install()
         self._patch(torch.optim.Optimizer, "__init__", self._optimizer_init)
+        self._patch(DataLoader, "__init__", self._loader_init)
         self._patch(DataLoader, "__iter__", self._loader_iter)
         self._patch(DataLoader, "__len__", self._loader_len)
         self._patch(torch.nn.parallel.DistributedDataParallel, "__init__", self._ddp_init)
@@ -155,6 +157,14 @@ class Session:
             )
         return optimizers.rebind(items, mapping)
 
+    def _loader_init(self, original: Any) -> Any:
+        def __init__(loader: DataLoader, *args: Any, **kwargs: Any) -> None:
+            if not self.busy:  # the notice names the line that made it, not where it is first iterated
+                loader.__dict__.setdefault("_autoddp_site", loaders.creation_site(loader, sys._getframe(1)))
+            original(loader, *args, **kwargs)
+
+        return __init__
+
     def _loader_iter(self, original: Any) -> Any:
         def __iter__(loader: DataLoader) -> Any:
             if not self.busy and not loader.__dict__.get("_autoddp_seen"):
@@ -175,6 +185,7 @@ class Session:
         return __len__
 
     def _shard(self, loader: DataLoader, site: tuple[str, int]) -> None:
+        site = loader.__dict__.get("_autoddp_site", site)  # made during capture: where it was made
         kind = loaders.kind(loader)
         if kind == "distributed":
             return  # prepared, or the user's own DistributedSampler: as it is

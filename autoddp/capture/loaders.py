@@ -10,8 +10,12 @@ DataLoader subclass that wraps DataLoader's own BatchSampler to keep its workers
 
 from __future__ import annotations
 
+from types import FrameType
+
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
 
+from autoddp import _warn
+from autoddp.capture._registry import Site, user_site
 from autoddp.data import distributed_sampler, wrapped_batches
 
 
@@ -36,3 +40,14 @@ REASONS = {
     "iterable": "an IterableDataset takes no sampler: shard inside its __iter__ with autoddp.rank()",
     "distributed": "it already has a DistributedSampler",
 }
+
+
+def creation_site(loader: DataLoader, frame: FrameType | None) -> Site:
+    """The user's line that made ``loader``: the first frame beyond autoddp, torch and the
+    ``__init__`` of the loader's own class (a subclass's ``super().__init__(...)`` is not it)."""
+    while frame is not None and (
+        _warn.is_library(frame.f_code.co_filename)
+        or (frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is loader)
+    ):
+        frame = frame.f_back
+    return user_site(frame)
