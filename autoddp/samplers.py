@@ -60,14 +60,14 @@ class ShardedSampler(AutoEpochSampler):
     Every pass streams the wrapped sampler's order in parts of ``CHUNK`` items per rank, so a huge
     or endless sampler (``RandomSampler(replacement=True, num_samples=10**10)``: "train for N
     iterations") costs memory for one part only, and the swaps below cost a few microseconds per
-    batch at most. Each part is drawn under random states private to
-    the pass (``streams.Private``: its ``generator`` attribute, if it has one, torch's global CPU
-    generator, Python's ``random`` and NumPy's global state, all seeded from the shared seed and
-    the epoch), swapped in for the part and out after it: all ranks draw the same order whatever
-    the user's code draws between batches, and that code keeps its own streams. Each rank keeps
-    the items at its positions of the order; at the end of the order it is padded by repeating the
-    order's start, as DistributedSampler pads, so every rank gets the same number of items.
-    Wrapping a batch sampler shards whole batches.
+    batch at most. Each part is drawn under random states private to the pass (``streams.Private``:
+    its ``generator`` attribute, if it has one, torch's global CPU generator, Python's ``random``
+    and NumPy's global state, all seeded from the shared seed and the epoch), swapped in for the
+    part and out after it: all ranks draw the same order whatever the user's code draws between
+    batches, and that code keeps its own streams. Each rank keeps the items at its positions of
+    the order; at the end of the order it is padded by repeating the order's start, as
+    DistributedSampler pads, so every rank gets the same number of items. Wrapping a batch sampler
+    shards whole batches.
     """
 
     CHUNK = 4096
