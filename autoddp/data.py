@@ -23,7 +23,7 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-from autoddp import _compat, _warn
+from autoddp import _compat, _warn, streams
 from autoddp.errors import ConfigurationError
 from autoddp.process_group import comm_device
 from autoddp.samplers import AutoEpochSampler, ShardedSampler
@@ -69,6 +69,10 @@ def shard_loader(loader: DataLoader, world: World, *, seed: int | None = None) -
         )
         return loader
 
+    inner = wrapped_batches(loader)
+    if inner is not None:
+        return _shard_wrapped(loader, inner, world, seed)
+
     batch_sampler = loader.batch_sampler
     user_batches = loader.batch_size is None and batch_sampler is not None
     plain_batches = user_batches and type(batch_sampler) is BatchSampler
@@ -93,12 +97,68 @@ def shard_loader(loader: DataLoader, world: World, *, seed: int | None = None) -
         else:
             new_batch_sampler = None
 
+    if isinstance(new_batch_sampler, BatchSampler):
+        _refuse_no_batch(source, new_batch_sampler, world)
     if _compat.loader_iterator(loader) is None:
         # DataLoader.__setattr__ refuses these names after __init__; nothing else holds them yet.
         object.__setattr__(loader, "sampler", new_sampler)
         object.__setattr__(loader, "batch_sampler", new_batch_sampler)
         return loader
     return _rebuild(loader, new_sampler, new_batch_sampler, user_batches)
+
+
+def wrapped_batches(loader: DataLoader) -> BatchSampler | None:
+    """DataLoader's own BatchSampler, when the loader's class wrapped it after ``__init__``.
+
+    A loader made with a ``batch_size`` gets a plain BatchSampler from DataLoader; another object
+    in its place means a subclass put one around it (timm's MultiEpochsDataLoader repeats it
+    forever, to keep its workers across epochs). The order is the wrapped BatchSampler's, found
+    through ``.sampler`` attributes, and the subclass keeps its own iteration logic.
+    """
+    if loader.batch_size is None or type(loader.batch_sampler) is BatchSampler:
+        return None
+    found = loader.batch_sampler
+    for _ in range(4):
+        found = getattr(found, "sampler", None)
+        if type(found) is BatchSampler:
+            return found
+    return None
+
+
+def _shard_wrapped(loader: DataLoader, inner: BatchSampler, world: World, seed: int | None) -> DataLoader:
+    """Shard a loader whose BatchSampler its class wrapped: the sampler inside changes, the wrapper stays."""
+    if seed is None:
+        seed = _shared_seed(_user_seed(loader, inner.sampler), world)
+    sampler = _distribute(inner.sampler, world, seed)
+    _refuse_no_batch(inner.sampler, BatchSampler(sampler, inner.batch_size, inner.drop_last), world)
+    inner.sampler = sampler  # DataLoader's own object, made for this loader: every iterator sees it
+    object.__setattr__(loader, "sampler", sampler)
+    return loader
+
+
+def _refuse_no_batch(source: Any, batches: BatchSampler, world: World) -> None:
+    """Refuse a ``drop_last`` loader that sharding leaves without a single batch.
+
+    One process would train on at least one batch; each rank's share would yield none, and the
+    run would end well with an untrained model. An error names the numbers and the fix: keeping
+    one process's count instead would mean a smaller batch or repeated samples, silently.
+    """
+    if not batches.drop_last:
+        return
+    try:
+        total, share = len(source), len(batches.sampler)
+    except TypeError:  # an endless sampler: never out of batches
+        return
+    size = batches.batch_size
+    if share >= size or total < size:
+        return
+    raise ConfigurationError(
+        f"this DataLoader has drop_last=True and batch_size={size}: sharded over {world.world_size} "
+        f"processes, each process gets {share} of its {total} samples, fewer than one batch, so it "
+        f"would yield no batch at all (one process: {total // size} batch"
+        f"{'es' if total // size > 1 else ''}) and nothing would train. Use a batch_size of at most "
+        f"{share} (the global batch is batch_size x {world.world_size}), or drop_last=False"
+    )
 
 
 #: Names in an IterableDataset's ``__iter__`` (or its attributes) that show it reads the rank itself.
@@ -169,38 +229,37 @@ def _distribute(sampler: Any, world: World, seed: int) -> DistributedSampler:
         and sampler.num_samples == len(sampler.data_source)
     ):
         return AutoEpochSampler(sampler.data_source, world=world, shuffle=True, seed=seed)
-    try:
-        len(sampler)
-    except TypeError as error:
-        raise ConfigurationError(
-            f"autoddp cannot shard the DataLoader's {type(sampler).__name__}: it has no len(), so its "
-            "share per process is unknown. Give it a __len__, or shard it yourself by making it a "
-            "subclass of torch.utils.data.distributed.DistributedSampler that yields only this "
-            "process's share (autoddp leaves those as they are)"
-        ) from error
     return ShardedSampler(sampler, world=world, seed=seed)
 
 
-def user_seed(loader: DataLoader) -> int:
-    """The shuffle seed the user chose for ``loader`` (see ``_user_seed``)."""
+def user_seed(loader: DataLoader, number: int = 0) -> int:
+    """The shuffle seed for ``loader``, the ``number``-th loader sharded in this run (see ``_user_seed``)."""
     batch_sampler = loader.batch_sampler
     if loader.batch_size is None and batch_sampler is not None and type(batch_sampler) is not BatchSampler:
-        return _user_seed(loader, batch_sampler)
-    return _user_seed(loader, batch_sampler.sampler if batch_sampler is not None else loader.sampler)
+        return _user_seed(loader, batch_sampler, number)
+    sampler = batch_sampler.sampler if batch_sampler is not None else loader.sampler
+    return _user_seed(loader, sampler, number)
 
 
-def _user_seed(loader: DataLoader, sampler: Any) -> int:
-    """The seed the user chose: the sampler's or the loader's generator, else ``torch.manual_seed``.
+def _user_seed(loader: DataLoader, sampler: Any, number: int = 0) -> int:
+    """The seed the user chose: a draw from the sampler's or loader's generator, else torch's seed.
 
-    In a worker autoddp seeded (``autoddp.streams``), torch's seed is the caller's unless the
-    function set its own.
+    As in one process: a generator the user passed decides the order, so a fresh one seeded alike
+    repeats it, and one reused by the loaders of later epochs moves on (one draw from it per
+    loader). Without one, one process's RandomSampler draws a new seed from the global generator
+    at every pass, which differs between ranks here, so the ``number``-th loader of the run (a
+    loader made anew every epoch) gets its own seed derived from the user's. In a worker autoddp
+    seeded (``autoddp.streams``), torch's seed is the caller's unless the function set its own.
     """
     for generator in (getattr(sampler, "generator", None), loader.generator):
         if isinstance(generator, torch.Generator):
-            return generator.initial_seed() % _SEED_RANGE
+            draw = torch.empty((), dtype=torch.int64, device=generator.device).random_(generator=generator)
+            return int(draw.item()) % _SEED_RANGE
     seed = torch.initial_seed()
     if CURRENT.seeds is not None and seed == CURRENT.seeds[0]:
         seed = CURRENT.seeds[1]
+    if number:
+        seed = streams.derive(seed.to_bytes(8, "little"), number)
     return seed % _SEED_RANGE
 
 

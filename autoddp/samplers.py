@@ -7,13 +7,15 @@ sampler, drawn alike on every rank.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch.utils.data.distributed import DistributedSampler
 
+from autoddp import streams
 from autoddp.state import World
 
 
@@ -55,47 +57,99 @@ class AutoEpochSampler(DistributedSampler):
 class ShardedSampler(AutoEpochSampler):
     """Shards any sampler or batch sampler by its own order: each rank takes every W-th item.
 
-    On every pass the wrapped sampler is drawn in full under a seed shared by all ranks (its
-    ``generator``, if it has that attribute, is replaced for the draw by one seeded from the shared
-    seed and the epoch, and torch's global CPU generator is seeded the same way and restored
-    afterwards), so all ranks see the same order and take disjoint shares of it. The order is
-    padded by repeating its start, as DistributedSampler does, so every rank gets the same number
-    of items. Wrapping a batch sampler shards whole batches.
+    Every pass streams the wrapped sampler's order in parts of ``CHUNK`` items per rank, so a huge
+    or endless sampler (``RandomSampler(replacement=True, num_samples=10**10)``: "train for N
+    iterations") costs memory for one part only, and the swaps below cost a few microseconds per
+    batch at most. Each part is drawn under random states private to the pass (``streams.Private``:
+    its ``generator`` attribute, if it has one, torch's global CPU generator, Python's ``random``
+    and NumPy's global state, all seeded from the shared seed and the epoch), swapped in for the
+    part and out after it: all ranks draw the same order whatever the user's code draws between
+    batches, and that code keeps its own streams. Each rank keeps the items at its positions of
+    the order; at the end of the order it is padded by repeating the order's start, as
+    DistributedSampler pads, so every rank gets the same number of items. Wrapping a batch sampler
+    shards whole batches.
     """
 
+    CHUNK = 4096
+
     def __init__(self, sampler: Any, *, world: World, seed: int) -> None:
-        super().__init__(sampler, world=world, shuffle=False, seed=seed)
-        self.sampler = sampler
+        # Not DistributedSampler.__init__: it takes len(sampler), which an endless sampler lacks.
+        self.dataset = self.sampler = sampler
+        self.num_replicas = world.world_size
+        self.rank = world.rank
+        self.epoch = 0
+        self._next_epoch = 0
+        self.seed = seed
+        self.shuffle = False
+        self.drop_last = False
+
+    @property
+    def num_samples(self) -> int:
+        """This rank's share of a pass (a TypeError for a sampler with no length, as in one process)."""
+        return math.ceil(len(self.sampler) / self.num_replicas)
+
+    @property
+    def total_size(self) -> int:
+        return self.num_samples * self.num_replicas
+
+    def __len__(self) -> int:
+        return self.num_samples
 
     def __iter__(self) -> Iterator[Any]:
         self._begin_pass()
-        order = _draw(self.sampler, (self.seed + self.epoch) % 2**64)
-        yield from _share(order, self.rank, self.num_replicas)
+        private = streams.Private((self.seed + self.epoch) % 2**64)
+        parts = _parts(self.sampler, private, self.CHUNK * self.num_replicas)
+        yield from _share(parts, self.rank, self.num_replicas)
 
 
-def _draw(sampler: Any, seed: int) -> list[Any]:
-    """The full order of one pass over ``sampler``, drawn under ``seed``."""
+def _parts(sampler: Any, private: streams.Private, size: int) -> Iterator[list[Any]]:
+    """One pass over ``sampler`` in lists of ``size`` items, each drawn under ``private``'s states."""
+    iterator = None
+    while True:
+        with _drawing(sampler, private):
+            if iterator is None:  # a sampler's __iter__ may draw its whole order at once, here
+                iterator = iter(sampler)
+            part = list(itertools.islice(iterator, size))
+        if part:
+            yield part
+        if len(part) < size:
+            return
+
+
+@contextlib.contextmanager
+def _drawing(sampler: Any, private: streams.Private) -> Iterator[None]:
+    """``private``'s states in place for a part of the draw, the sampler's ``generator`` too."""
     replaced = False
     if hasattr(sampler, "generator"):
         original = sampler.generator
         try:
-            sampler.generator = torch.Generator().manual_seed(seed)
+            sampler.generator = private.generator
             replaced = True
         except (AttributeError, TypeError):
             pass
     try:
-        with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(seed)
-            return list(sampler)
+        with private.swapped():
+            yield
     finally:
         if replaced:
             sampler.generator = original
 
 
-def _share(order: list[Any], rank: int, world_size: int) -> list[Any]:
-    """Rank ``rank``'s share of ``order``, padded by repeating its start to a multiple of the world."""
-    if not order:
-        return []
-    total = math.ceil(len(order) / world_size) * world_size
-    padded = (order * math.ceil(total / len(order)))[:total]
-    return padded[rank:total:world_size]
+def _share(parts: Iterator[list[Any]], rank: int, world_size: int) -> Iterator[Any]:
+    """Rank ``rank``'s items of the order ``parts`` make: positions rank, rank + W, rank + 2W...
+
+    The order is padded at its end by repeating its start (its first W items are kept for that) to
+    a multiple of the world, as DistributedSampler pads.
+    """
+    start: list[Any] = []
+    count = 0
+    for part in parts:
+        if len(start) < world_size:
+            start += part[: world_size - len(start)]
+        yield from part[(rank - count) % world_size :: world_size]
+        count += len(part)
+    if not count:
+        return
+    total = math.ceil(count / world_size) * world_size
+    for position in range(count + (rank - count) % world_size, total, world_size):
+        yield start[position % count]

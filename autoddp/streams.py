@@ -6,16 +6,19 @@ would draw from the operating system's entropy): the caller's torch, Python ``ra
 it is loaded, NumPy states are each digested (without advancing them), and worker ``rank`` seeds
 each library with ``sha256(digest, rank)``. Ranks differ, as under torchrun, and a run repeats
 exactly when the caller seeded. A seed set inside the function applies as written. The
-DataLoader sampler's shared shuffle seed still comes from the caller's seed (see ``data``).
+DataLoader sampler's shared shuffle seed still comes from the caller's seed (see ``data``);
+``Private`` holds the states a sharded sampler draws its order from, apart from the user's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import pickle
 import random
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -64,3 +67,44 @@ def derive(digest: bytes, rank: int) -> int:
 
 def _digest(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
+
+
+class Private:
+    """Random states of a sampler's own, swapped in around each part of its draw.
+
+    A sampler drawn in parts, between the user's steps, must give the same order on every rank
+    whatever the user's code draws in between, and the user's code must continue its own streams
+    as if nothing had drawn: ``swapped()`` keeps the user's states aside, puts these in, and on
+    exit saves these for the next part and puts the user's back. Every generator a sampler may
+    draw from is covered, all seeded from one shared seed: torch's global CPU generator, the
+    sampler's own ``generator`` attribute (``self.generator``), Python's ``random`` and, once it
+    is loaded, NumPy's global state (a bucket sampler's ``random.shuffle`` or ``np.random``).
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.generator = torch.Generator().manual_seed(seed)
+        self._torch = torch.Generator().manual_seed(seed).get_state()
+        self._python = random.Random(seed).getstate()
+        self._numpy: object | None = None
+
+    @contextlib.contextmanager
+    def swapped(self) -> Iterator[None]:
+        """Draw from these states inside the block; the user's are back after it."""
+        numpy = sys.modules.get("numpy")
+        users = torch.get_rng_state(), random.getstate(), numpy.random.get_state() if numpy else None
+        torch.set_rng_state(self._torch)
+        random.setstate(self._python)
+        if numpy is not None:
+            if self._numpy is None:
+                self._numpy = numpy.random.RandomState(self.seed % 2**32).get_state()
+            numpy.random.set_state(self._numpy)
+        try:
+            yield
+        finally:
+            self._torch, self._python = torch.get_rng_state(), random.getstate()
+            torch.set_rng_state(users[0])
+            random.setstate(users[1])
+            if numpy is not None:
+                self._numpy = numpy.random.get_state()
+                numpy.random.set_state(users[2])

@@ -5,6 +5,7 @@ patches it installs and removes around that code only:
 
 - ``torch.optim.Optimizer.__init__``: the modules owning the optimizer's parameters are wrapped as
   ``prepare`` wraps them, where they are (``optimizers``);
+- ``DataLoader.__init__``: the line that made a loader is remembered, for the notice;
 - ``DataLoader.__iter__`` and ``__len__``: a random loader is sharded at its first iteration (or
   when its length is first asked, as a scheduler's steps per epoch), an ordered one left whole;
   a pass that begins in an evaluation context (no gradients, every model in ``eval()``) gets all
@@ -179,7 +180,8 @@ class Session:
 
     def _loader_init(self, original: Any) -> Any:
         def __init__(loader: DataLoader, *args: Any, **kwargs: Any) -> None:
-            loader.__dict__[_SITE] = user_site(sys._getframe(1), made=loader)  # for the notice
+            if not self.busy:  # the notice names the line that made it, not where it is first iterated
+                loader.__dict__.setdefault(_SITE, user_site(sys._getframe(1), made=loader))
             original(loader, *args, **kwargs)
 
         return __init__
@@ -245,7 +247,8 @@ class Session:
                 self.notice.say(("loader", id(loader)), line, captured=False)
                 return
             whole = (loader.sampler, loader.batch_sampler)
-            shard_loader(loader, world, seed=self._shared_seed(user_seed(loader), world))
+            seed = user_seed(loader, number=self._loaders)  # the run's n-th loader: its own seed
+            shard_loader(loader, world, seed=self._shared_seed(seed, world))
             shard = (loader.sampler, loader.batch_sampler)
             loader.__dict__[loaders.Shares.KEY] = loaders.Shares(whole, shard)
         self.undistributed.data_shared = True

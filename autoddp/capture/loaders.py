@@ -6,7 +6,9 @@ sequential loader (``shuffle=False``: the usual evaluation loader) is left whole
 computed by plain code equal the single-process ones (every rank evaluates everything). So is
 every pass of a random loader that begins in an evaluation context (gradients off, or every
 captured model in ``eval()`` mode): a shuffled validation loader counts every sample once on every
-rank, as in one process.
+rank, as in one process. A DataLoader subclass that wraps DataLoader's own BatchSampler to keep
+its workers across epochs (timm's MultiEpochsDataLoader) is judged by the order inside the
+wrapper, and keeps its wrapper.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
 
 from autoddp import _compat
-from autoddp.data import distributed_sampler
+from autoddp.data import distributed_sampler, wrapped_batches
 
 
 def kind(loader: DataLoader) -> str:
@@ -25,6 +27,9 @@ def kind(loader: DataLoader) -> str:
     if distributed_sampler(loader) is not None:
         return "distributed"
     batch_sampler = loader.batch_sampler
+    wrapped = wrapped_batches(loader)  # a subclass's wrapper around DataLoader's own BatchSampler
+    if wrapped is not None:
+        return "ordered" if type(wrapped.sampler) is SequentialSampler else "random"
     if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
         return "random"  # a custom batch sampler: shared out by whole batches
     sampler = batch_sampler.sampler if batch_sampler is not None else loader.sampler
