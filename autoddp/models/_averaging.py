@@ -21,22 +21,29 @@ from autoddp.models import _routing
 _GUARDED = "_autoddp_guarded"
 
 
-def guard(optimizer: torch.optim.Optimizer, models: list[torch.nn.Module]) -> None:
-    """Average the gradients of ``models`` before ``optimizer``'s steps that their DDP did not see."""
-    replicas = [m for m in models if _routing.REPLICA_ATTR in m.__dict__]
-    if not replicas or getattr(optimizer, _GUARDED, False):
-        return
-    seen = {id(m): m.__dict__[_routing.REPLICA_ATTR].forwards for m in replicas}
-    warned: set[int] = set()
+class _Guard:
+    """An optimizer's step pre-hook: the models it trains, and their DDP forwards at its last step."""
 
-    def before_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for model in replicas:
+    def __init__(self) -> None:
+        self.models: list[torch.nn.Module] = []
+        self.seen: dict[int, int] = {}
+        self.warned: set[int] = set()
+
+    def add(self, models: list[torch.nn.Module]) -> None:
+        for model in models:
+            replica = model.__dict__.get(_routing.REPLICA_ATTR)
+            if replica is not None and id(model) not in self.seen:
+                self.models.append(model)
+                self.seen[id(model)] = replica.forwards
+
+    def __call__(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for model in self.models:
             replica = model.__dict__.get(_routing.REPLICA_ATTR)
             if replica is None:
                 continue
-            averaged = replica.forwards == seen[id(model)] and _average(model)
-            if averaged and id(model) not in warned:
-                warned.add(id(model))
+            averaged = replica.forwards == self.seen[id(model)] and _average(model)
+            if averaged and id(model) not in self.warned:
+                self.warned.add(id(model))
                 _warn.warn(
                     f"{type(model).__name__}'s gradients were computed without calling "
                     f"{type(model).__name__} itself (its submodules or its forward were called "
@@ -44,10 +51,24 @@ def guard(optimizer: torch.optim.Optimizer, models: list[torch.nn.Module]) -> No
                     "optimizer.step() instead. Call the model itself (model(x)) to let DDP overlap "
                     "that communication with the backward pass"
                 )
-            seen[id(model)] = replica.forwards
+            self.seen[id(model)] = replica.forwards
 
-    optimizer.register_step_pre_hook(before_step)
-    setattr(optimizer, _GUARDED, True)
+
+def guard(optimizer: torch.optim.Optimizer, models: list[torch.nn.Module]) -> None:
+    """Average the gradients of ``models`` before ``optimizer``'s steps that their DDP did not see.
+
+    Called again (a param group added later), it adds the models not yet guarded to the same hook.
+    """
+    existing = optimizer.__dict__.get(_GUARDED)
+    if isinstance(existing, _Guard):
+        existing.add(models)
+        return
+    if not any(_routing.REPLICA_ATTR in m.__dict__ for m in models):
+        return
+    hook = _Guard()
+    hook.add(models)
+    optimizer.register_step_pre_hook(hook)
+    optimizer.__dict__[_GUARDED] = hook
 
 
 def _average(model: torch.nn.Module) -> bool:
