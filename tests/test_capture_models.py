@@ -6,6 +6,8 @@ and equal to one process with the global batch, values read from the weights, th
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -75,3 +77,46 @@ def test_a_param_group_added_later_is_wrapped_and_averaged():
     state, identical = train()
     assert identical
     _close(state, _head_added_later(0, 1)[0])
+
+
+# --- 14: a model reached only through a container --------------------------------------------
+
+
+class Trainer:
+    """A trainer object built before the call, its models in a dict (and a list inside it)."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.models = {"net": nn.Linear(4, 2), "more": [nn.Linear(2, 2)]}
+        hidden = nn.Linear(2, 2)
+        self.hidden = lambda: hidden  # reached only through a closure: not walked
+
+    def fit(self, rank: int, world: int) -> list[torch.Tensor]:
+        x, y = _share(rank, world)
+        models = self.models  # the modules themselves are in no frame's locals
+        opt = torch.optim.SGD([*models["net"].parameters(), *models["more"][0].parameters()], lr=0.1)
+        for _ in range(3):
+            loss = (models["more"][0](models["net"](x)) - y).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return _state(models["net"], models["more"][0])
+
+
+def test_a_model_reached_only_through_a_dict_or_list_is_found_and_averaged():
+    @autoddp.distributed(nproc=2)
+    def train(trainer):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state = trainer.fit(autoddp.rank(), autoddp.world_size())
+            found = [str(w.message) for w in caught]
+            torch.optim.SGD(trainer.hidden().parameters(), lr=0.1)
+        models = trainer.models
+        hint = [str(w.message) for w in caught][len(found) :]
+        return state, _identical(models["net"], models["more"][0]), found, hint
+
+    state, identical, messages, hint = train(Trainer())
+    assert messages == []
+    assert len(hint) == 1 and "built before the call" in hint[0] and "autoddp.prepare(model)" in hint[0]
+    assert identical
+    _close(state, Trainer().fit(0, 1))

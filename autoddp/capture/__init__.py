@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 from autoddp import _compat, _warn, models
 from autoddp.capture import loaders, optimizers
 from autoddp.capture._notice import Notice, where
-from autoddp.capture._registry import Registry, user_site
+from autoddp.capture._registry import DEPTH, Registry, user_site
 from autoddp.capture.saves import Saves
 from autoddp.errors import ConfigurationError
 from autoddp.models import optimizers as model_optimizers
@@ -151,8 +151,12 @@ class Session:
             shapes = ", ".join(str(tuple(p.shape)) for p in orphans[:5])
             _warn.warn(
                 f"{len(orphans)} of this optimizer's parameters (shapes {shapes}) belong to no "
-                "nn.Module, so autoddp cannot average their gradients across processes: make them "
-                "attributes of a module (self.w = nn.Parameter(...)), or pass the module to autoddp.prepare"
+                "nn.Module autoddp can find, so it cannot average their gradients across processes: "
+                "either they are attributes of no module, or their module was built before the call "
+                "and your code reaches it only in ways autoddp does not follow (a closure, more than "
+                f"{DEPTH} attributes or container items deep). Pass the module to autoddp.prepare(model) "
+                "before making the optimizer, or make loose tensors attributes of a module "
+                "(self.w = nn.Parameter(...))"
             )
         if not todo:
             return items
