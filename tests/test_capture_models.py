@@ -120,3 +120,50 @@ def test_a_model_reached_only_through_a_dict_or_list_is_found_and_averaged():
     assert len(hint) == 1 and "built before the call" in hint[0] and "autoddp.prepare(model)" in hint[0]
     assert identical
     _close(state, Trainer().fit(0, 1))
+
+
+# --- 6: an auxiliary loss through a submodule, beside the DDP forward -------------------------
+
+
+class EncoderHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+
+def _aux_training(rank: int, world: int) -> tuple[list[torch.Tensor], bool]:
+    x, y = _share(rank, world)
+    x2 = x.flip(0) * 2  # the auxiliary batch: this rank's share too
+    torch.manual_seed(0)
+    model = EncoderHead()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        opt.zero_grad()
+        loss = (model(x) - y).pow(2).mean()
+        if step % 2 == 0:  # a second backward through a submodule, after DDP's
+            loss.backward()
+            model.encoder(x2).pow(2).mean().backward()
+        else:  # one backward of both, the auxiliary part through a nested submodule
+            (loss + model.encoder[0](x2).pow(2).mean()).backward()
+        opt.step()
+    return _state(model), _identical(model) if world > 1 else True
+
+
+def test_an_auxiliary_loss_through_a_submodule_is_averaged_and_said_once():
+    @autoddp.distributed(nproc=2)
+    def train():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state, identical = _aux_training(autoddp.rank(), autoddp.world_size())
+        return state, identical, [(str(w.message), w.filename) for w in caught]
+
+    state, identical, messages = train()
+    assert identical
+    _close(state, _aux_training(0, 1)[0])
+    assert len(messages) == 1, messages
+    text, filename = messages[0]
+    assert "EncoderHead" in text and "submodules" in text and filename == __file__

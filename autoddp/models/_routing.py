@@ -6,11 +6,18 @@ qualified name) whose ``__call__`` asks the module's ``Replica`` (kept in the in
 otherwise. ``no_sync`` is always there (a no-op without DDP). Pickling, ``torch.save(model)``
 and ``copy.deepcopy`` give the plain class without autoddp's attributes. User methods that
 compute with gradients without calling the model warn once (DDP cannot see them).
+
+The submodules owning parameters keep their own class (``type(m) is nn.Linear`` holds); each gets
+a ``forward`` in its instance ``__dict__`` (``watch``) that counts calls made with gradients outside
+the DDP's forward (``model.encoder(x)`` beside ``model(x)``) on the root's replica, so that the
+optimizer's guard averages those gradients (``_averaging``). Inside the DDP's forward (every normal
+step) it costs one call and one thread-local read per submodule call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import threading
 import types
@@ -31,6 +38,10 @@ class Replica(Protocol):
     """What the swapped class needs from the state kept beside the module."""
 
     forwards: int
+    #: Calls of a submodule with gradients outside the DDP's forward (a bypass DDP cannot see).
+    bypasses: int
+    #: True while the DDP's forward runs (what the submodules' watchers read: no thread-local).
+    inside: bool
 
     def for_call(
         self, module: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
@@ -57,7 +68,7 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     ddp = replica.for_call(self, args, kwargs)
     if ddp is None:
         return plain.__call__(self, *args, **kwargs)
-    _ROUTING.inside = True
+    _ROUTING.inside = replica.inside = True
     _ROUTING.calls += 1
     replica.forwards += 1
     try:
@@ -68,7 +79,7 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             raise
         raise explained from error
     finally:
-        _ROUTING.inside = False
+        _ROUTING.inside = replica.inside = False
 
 
 def _no_sync(self: torch.nn.Module) -> contextlib.AbstractContextManager:
@@ -192,15 +203,71 @@ def redirect_compiled(compiled: torch.nn.Module) -> None:
 
 
 def swap(module: torch.nn.Module, strategy: Any) -> None:
-    """Give ``module`` its swapped class (idempotent)."""
+    """Give ``module`` its swapped class (idempotent; a watched submodule becomes a root)."""
+    _unwatch(module)
     if "_autoddp_plain_class" not in type(module).__dict__:
         module.__class__ = swapped_class(type(module), strategy)
 
 
 def unswap(module: torch.nn.Module) -> None:
-    """Give ``module`` its own class back and drop autoddp's attributes."""
+    """Give ``module`` its own class back and drop autoddp's attributes (its submodules' too)."""
+    for sub in module.modules():
+        _unwatch(sub)
     for name in _PRIVATE:
         module.__dict__.pop(name, None)
     plain = type(module).__dict__.get("_autoddp_plain_class")
     if plain is not None:
         module.__class__ = plain
+
+
+class _Watch:
+    """A watched submodule's ``forward``: counts the calls with gradients outside the DDP's forward.
+
+    The submodule's ``__dict__`` holds the bound ``__call__`` (a plain method call, the cheapest).
+    A deep copy of the submodule counts for nobody; a pickle of it gets its class's plain
+    ``forward`` back (``getattr``: it loads without autoddp).
+    """
+
+    __slots__ = ("forward", "module", "replica")
+
+    def __init__(self, module: torch.nn.Module, replica: Replica | None) -> None:
+        self.module = module
+        self.replica = replica
+        self.forward = types.MethodType(type(module).forward, module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        replica = self.replica
+        if replica is not None and not replica.inside and torch.is_grad_enabled():
+            replica.bypasses += 1
+        return self.forward(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> _Watch:
+        return _Watch(copy.deepcopy(self.module, memo), None)
+
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        return (getattr, (self.module, "forward"))
+
+
+def _watcher(module: torch.nn.Module) -> _Watch | None:
+    found = getattr(module.__dict__.get("forward"), "__self__", None)
+    return found if isinstance(found, _Watch) else None
+
+
+def watch(root: torch.nn.Module, replica: Replica) -> None:
+    """Have every submodule of ``root`` that owns parameters count its calls DDP cannot see.
+
+    Those that own none need no watcher: calling one (``model.encoder``) calls the ones that do.
+    """
+    for sub in root.modules():
+        if sub is root or "_autoddp_plain_class" in type(sub).__dict__:
+            continue  # a root of its own
+        watcher = _watcher(sub)
+        if watcher is not None:
+            watcher.replica = replica
+        elif sub._parameters and "forward" not in sub.__dict__:  # (a forward of the user's: kept)
+            object.__setattr__(sub, "forward", _Watch(sub, replica).__call__)
+
+
+def _unwatch(module: torch.nn.Module) -> None:
+    if _watcher(module) is not None:
+        del module.__dict__["forward"]

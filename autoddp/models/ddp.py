@@ -80,6 +80,9 @@ class Replica:
         self.registrations = -1
         #: Forwards routed through the DDP so far (the optimizer's guard compares, see ``guard``).
         self.forwards = 0
+        #: Submodule calls with gradients outside the DDP's forward (``_routing.watch``).
+        self.bypasses = 0
+        self.inside = False  # while the DDP's forward runs
         self.lazy = _has_lazy_parameters(module)
         if not self.lazy:
             self.build(module)
@@ -91,6 +94,7 @@ class Replica:
         params = list(module.parameters())
         self.signature = [(p, p.dtype, p.device, p.requires_grad) for p in params]
         self.registrations = _REGISTRATIONS.count
+        _routing.watch(module, self)  # submodules called beside the DDP (``model.encoder(x)``)
         if not any(p.requires_grad for p in params):
             return  # nothing to synchronise (yet)
         device = next((p.device for p in params if p.requires_grad), torch.device("cpu"))
