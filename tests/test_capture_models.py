@@ -167,3 +167,51 @@ def test_an_auxiliary_loss_through_a_submodule_is_averaged_and_said_once():
     assert len(messages) == 1, messages
     text, filename = messages[0]
     assert "EncoderHead" in text and "submodules" in text and filename == __file__
+
+
+# --- 11: strategy="fsdp": what a script reads from its (sharded) weights ----------------------
+
+
+def _read_weights(rank: int, world: int) -> dict:
+    x, y = _share(rank, world)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = (model(x) - y).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    w = model[0].weight
+    return {
+        "norm": w.norm().item(),
+        "sum": w.sum().item(),
+        "float": float(w.sum()),
+        "max": w.max().item(),
+        "tolist": w.tolist(),
+        "numpy": w.detach().numpy().tolist(),
+        "data.norm": w.data.norm().item(),
+        "state_dict": model.state_dict()["0.weight"].norm().item(),
+        "print": str(w),
+        "positive": bool((w > 0).any()),
+        "format": f"{w.sum():.4f}",
+    }
+
+
+def test_values_read_from_fsdp_weights_are_the_full_tensors_on_every_rank():
+    @autoddp.distributed(nproc=2, strategy="fsdp")
+    def train():
+        reads = _read_weights(autoddp.rank(), autoddp.world_size())
+        everyone = [None, None]
+        dist.all_gather_object(everyone, reads)
+        return everyone
+
+    one = _read_weights(0, 1)
+    for reads in train():
+        assert reads["print"] == one["print"]
+        assert reads["format"] == one["format"] and reads["positive"] == one["positive"]
+        for name in ("norm", "sum", "float", "max", "data.norm", "state_dict"):
+            assert abs(reads[name] - one[name]) < 1e-5, (name, reads[name], one[name])
+        for name in ("tolist", "numpy"):
+            torch.testing.assert_close(
+                torch.tensor(reads[name]), torch.tensor(one[name]), rtol=1e-5, atol=1e-5
+            )
