@@ -141,14 +141,18 @@ def _aux_training(rank: int, world: int) -> tuple[list[torch.Tensor], bool]:
     torch.manual_seed(0)
     model = EncoderHead()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(4):
+    for step in range(5):
         opt.zero_grad()
         loss = (model(x) - y).pow(2).mean()
-        if step % 2 == 0:  # a second backward through a submodule, after DDP's
+        if step % 3 == 0:  # a second backward through a submodule, after DDP's
             loss.backward()
             model.encoder(x2).pow(2).mean().backward()
-        else:  # one backward of both, the auxiliary part through a nested submodule
+        elif step % 3 == 1:  # one backward of both, the auxiliary part through a nested submodule
             (loss + model.encoder[0](x2).pow(2).mean()).backward()
+        else:  # a plain step, and a value logged on one rank with gradients on, never trained with
+            loss.backward()
+            if rank == 0:
+                model.encoder(x).norm().item()
         opt.step()
     return _state(model), _identical(model) if world > 1 else True
 

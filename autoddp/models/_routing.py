@@ -8,10 +8,10 @@ and ``copy.deepcopy`` give the plain class without autoddp's attributes. User me
 compute with gradients without calling the model warn once (DDP cannot see them).
 
 The submodules owning parameters keep their own class (``type(m) is nn.Linear`` holds); each gets
-a ``forward`` in its instance ``__dict__`` (``watch``) that counts calls made with gradients outside
-the DDP's forward (``model.encoder(x)`` beside ``model(x)``) on the root's replica, so that the
-optimizer's guard averages those gradients (``_averaging``). Inside the DDP's forward (every normal
-step) it costs one call and one thread-local read per submodule call.
+a ``forward`` in its instance ``__dict__`` (``watch``) that counts, on the root's replica, backward
+passes through calls made outside the DDP's forward (``model.encoder(x)`` beside ``model(x)``),
+so that the optimizer's guard averages those gradients (``_averaging``). Inside the DDP's forward
+(every normal step) it costs one method call and two attribute reads per submodule call.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class Replica(Protocol):
     """What the swapped class needs from the state kept beside the module."""
 
     forwards: int
-    #: Calls of a submodule with gradients outside the DDP's forward (a bypass DDP cannot see).
+    #: Backward passes through submodules called outside the DDP's forward (DDP cannot see them).
     bypasses: int
     #: True while the DDP's forward runs (what the submodules' watchers read: no thread-local).
     inside: bool
@@ -48,6 +48,8 @@ class Replica(Protocol):
     ) -> torch.nn.parallel.DistributedDataParallel | None: ...
 
     def explain(self, error: RuntimeError, module: torch.nn.Module) -> BaseException: ...
+
+    def count_bypass(self, grad: torch.Tensor) -> None: ...
 
 
 class _Routing(threading.local):
@@ -221,11 +223,14 @@ def unswap(module: torch.nn.Module) -> None:
 
 
 class _Watch:
-    """A watched submodule's ``forward``: counts the calls with gradients outside the DDP's forward.
+    """A watched submodule's ``forward``: counts backward passes through its calls outside DDP.
 
-    The submodule's ``__dict__`` holds the bound ``__call__`` (a plain method call, the cheapest).
-    A deep copy of the submodule counts for nobody; a pickle of it gets its class's plain
-    ``forward`` back (``getattr``: it loads without autoddp).
+    A call with gradients outside the DDP's forward hooks its output; the count moves when a
+    backward reaches it (an auxiliary loss), not for a forward nobody trains with (a metric, a
+    log line on one rank), so every rank agrees on it. The submodule's ``__dict__`` holds the
+    bound ``__call__`` (a plain method call, the cheapest). A deep copy of the submodule counts
+    for nobody; a pickle of it gets its class's plain ``forward`` back (``getattr``: it loads
+    without autoddp).
     """
 
     __slots__ = ("forward", "module", "replica")
@@ -237,15 +242,30 @@ class _Watch:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         replica = self.replica
-        if replica is not None and not replica.inside and torch.is_grad_enabled():
-            replica.bypasses += 1
-        return self.forward(*args, **kwargs)
+        if replica is None or replica.inside or not torch.is_grad_enabled():
+            return self.forward(*args, **kwargs)
+        result = self.forward(*args, **kwargs)
+        _on_backward(result, replica.count_bypass)
+        return result
 
     def __deepcopy__(self, memo: dict) -> _Watch:
         return _Watch(copy.deepcopy(self.module, memo), None)
 
     def __reduce_ex__(self, protocol: Any) -> tuple:
         return (getattr, (self.module, "forward"))
+
+
+def _on_backward(value: Any, hook: Callable[[torch.Tensor], None]) -> None:
+    """Hook every tensor in ``value`` (nested lists, tuples, dicts) that a backward may reach."""
+    if isinstance(value, torch.Tensor):
+        if value.requires_grad:
+            value.register_hook(hook)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _on_backward(item, hook)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _on_backward(item, hook)
 
 
 def _watcher(module: torch.nn.Module) -> _Watch | None:

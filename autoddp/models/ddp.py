@@ -80,7 +80,7 @@ class Replica:
         self.registrations = -1
         #: Forwards routed through the DDP so far (the optimizer's guard compares, see ``guard``).
         self.forwards = 0
-        #: Submodule calls with gradients outside the DDP's forward (``_routing.watch``).
+        #: Backward passes through submodules called outside the DDP's forward (``_routing.watch``).
         self.bypasses = 0
         self.inside = False  # while the DDP's forward runs
         self.lazy = _has_lazy_parameters(module)
@@ -136,6 +136,10 @@ class Replica:
             if p.dtype is not dtype or p.requires_grad is not requires_grad or p.device != device:
                 return True
         return False
+
+    def count_bypass(self, grad: torch.Tensor) -> None:
+        """A backward reached the output of a submodule called outside the DDP (a tensor hook)."""
+        self.bypasses += 1
 
     def explain(self, error: RuntimeError, module: torch.nn.Module) -> BaseException:
         """DDP's error about parameters that got no gradient, as one naming them and the fix."""
