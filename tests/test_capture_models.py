@@ -189,7 +189,7 @@ def _read_weights(rank: int, world: int) -> dict:
     return {
         "norm": w.norm().item(),
         "sum": w.sum().item(),
-        "float": float(w.sum()),
+        "float": float(w.detach().sum()),
         "max": w.max().item(),
         "tolist": w.tolist(),
         "numpy": w.detach().numpy().tolist(),
