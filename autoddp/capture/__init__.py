@@ -3,8 +3,8 @@
 While the user's code runs in a world of several processes, a ``Session`` watches, through
 patches it installs and removes around that code only:
 
-- ``torch.optim.Optimizer.__init__``: the modules owning the optimizer's parameters are wrapped as
-  ``prepare`` wraps them, where they are (``optimizers``);
+- ``torch.optim.Optimizer.__init__`` and ``add_param_group``: the modules owning the optimizer's
+  parameters are wrapped as ``prepare`` wraps them, where they are (``optimizers``);
 - ``DataLoader.__init__``: the line that made a loader is remembered, for the notice;
 - ``DataLoader.__iter__`` and ``__len__``: a random loader is sharded at its first iteration (or
   when its length is first asked, as a scheduler's steps per epoch), an ordered one left whole;
@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader
 from autoddp import _compat, _warn, models
 from autoddp.capture import loaders, optimizers
 from autoddp.capture._notice import Notice, where
-from autoddp.capture._registry import Registry, user_site
+from autoddp.capture._registry import DEPTH, Registry, user_site
 from autoddp.capture._undistributed import Undistributed, caller_site, candidate_roots
 from autoddp.capture.saves import Saves
 from autoddp.errors import ConfigurationError
@@ -70,6 +70,7 @@ class Session:
         self.busy = False
         self._patches: list[tuple[Any, str, Any]] = []
         self._handles: list[Any] = []
+        self._constructing: set[int] = set()  # optimizers in __init__ (its add_param_group calls)
         self._loaders = 0
         self.notice: Notice | None = None
         self.saves: Saves | None = None
@@ -86,6 +87,7 @@ class Session:
         CURRENT.capture = self
         self.registry.install()
         self._patch(torch.optim.Optimizer, "__init__", self._optimizer_init)
+        self._patch(torch.optim.Optimizer, "add_param_group", self._add_param_group)
         self._patch(DataLoader, "__init__", self._loader_init)
         self._patch(DataLoader, "__iter__", self._loader_iter)
         self._patch(DataLoader, "__len__", self._loader_len)
@@ -143,11 +145,26 @@ class Session:
                 original(optimizer, params, *args, **kwargs)
                 return
             params = self._distribute_models(params)
-            original(optimizer, params, *args, **kwargs)
+            self._constructing.add(id(optimizer))  # its own add_param_group calls: done above
+            try:
+                original(optimizer, params, *args, **kwargs)
+            finally:
+                self._constructing.discard(id(optimizer))
             model_optimizers.bind(optimizer)  # over sharded parameters: full state loads into shards
             models.guard_optimizer(optimizer)  # steps DDP did not see still get averaged gradients
 
         return __init__
+
+    def _add_param_group(self, original: Any) -> Any:
+        def add_param_group(optimizer: Any, param_group: Any) -> None:
+            if self.busy or id(optimizer) in self._constructing or not isinstance(param_group, dict):
+                original(optimizer, param_group)
+                return
+            original(optimizer, self._distribute_models([param_group])[0])  # a head added later
+            model_optimizers.bind(optimizer)
+            models.guard_optimizer(optimizer)
+
+        return add_param_group
 
     def _distribute_models(self, params: Any) -> Any:
         items = optimizers.materialize(params)
@@ -157,8 +174,12 @@ class Session:
             shapes = ", ".join(str(tuple(p.shape)) for p in orphans[:5])
             _warn.warn(
                 f"{len(orphans)} of this optimizer's parameters (shapes {shapes}) belong to no "
-                "nn.Module, so autoddp cannot average their gradients across processes: make them "
-                "attributes of a module (self.w = nn.Parameter(...)), or pass the module to autoddp.prepare"
+                "nn.Module autoddp can find, so it cannot average their gradients across processes: "
+                "either they are attributes of no module, or their module was built before the call "
+                "and your code reaches it only in ways autoddp does not follow (a closure, more than "
+                f"{DEPTH} attributes or container items deep). Pass the module to autoddp.prepare(model) "
+                "before making the optimizer, or make loose tensors attributes of a module "
+                "(self.w = nn.Parameter(...))"
             )
         if not todo:
             return items

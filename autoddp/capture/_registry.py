@@ -8,10 +8,11 @@ notice. Models built before capture started are found by ``frame_candidates`` in
 
 from __future__ import annotations
 
+import itertools
 import sys
 import types
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
@@ -106,25 +107,50 @@ def user_site(frame: FrameType | None, made: Any = None) -> Site:
     return (frame.f_code.co_filename, frame.f_lineno) if frame is not None else ("<unknown>", 0)
 
 
+#: How far the walk for models built before capture goes from a frame's names: attributes and
+#: container items, ``DEPTH`` steps deep, ``PER_CONTAINER`` items of each, ``BUDGET`` objects in all.
+DEPTH = 3
+PER_CONTAINER = 256
+BUDGET = 20_000
+#: Values never walked into: they hold no model the user reaches through them.
+_LEAVES = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, str, bytes, torch.Tensor)
+
+
 def frame_candidates(frame: FrameType | None) -> Iterator[torch.nn.Module]:
-    """Modules the user's frames can reach: their locals and globals, and one attribute deep
-    (``self.model``), for models built before capture began."""
-    seen: set[int] = set()
+    """Modules the user's frames can reach, for models built before capture began: their locals
+    and globals, then breadth first through attributes (``self.model``), dicts, lists, tuples and
+    sets (``self.models["g"]``), bounded by ``DEPTH``, ``PER_CONTAINER`` and ``BUDGET``."""
+    level: list[Any] = []
     while frame is not None:
         if not _warn.is_library(frame.f_code.co_filename):
             for namespace in (frame.f_locals, frame.f_globals):
-                yield from _modules_in(namespace.values(), seen, depth=1)
+                level.extend(namespace.values())
         frame = frame.f_back
+    seen: set[int] = set()
+    for _ in range(DEPTH + 1):
+        below: list[Any] = []
+        for value in level:
+            if id(value) in seen or len(seen) >= BUDGET:
+                continue
+            seen.add(id(value))
+            if isinstance(value, torch.nn.Module):
+                yield value
+            else:
+                below.extend(_items(value))
+        level = below
 
 
-def _modules_in(values: Iterable[Any], seen: set[int], depth: int) -> Iterator[torch.nn.Module]:
-    for value in values:
-        if id(value) in seen:
-            continue
-        seen.add(id(value))
-        if isinstance(value, torch.nn.Module):
-            yield value
-        elif depth and not isinstance(value, (type, types.ModuleType)) and hasattr(value, "__dict__"):
-            attributes = getattr(value, "__dict__", None)
-            if isinstance(attributes, dict):
-                yield from _modules_in(list(attributes.values()), seen, depth - 1)
+def _items(value: Any) -> list[Any]:
+    """What a value holds that may be or hold a model (at most ``PER_CONTAINER`` of them)."""
+    if isinstance(value, _LEAVES):
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value[:PER_CONTAINER])
+    if isinstance(value, dict):
+        return list(itertools.islice(value.values(), PER_CONTAINER))
+    if isinstance(value, (set, frozenset)):
+        return list(itertools.islice(value, PER_CONTAINER))
+    attributes = getattr(value, "__dict__", None)
+    if isinstance(attributes, dict):
+        return list(itertools.islice(attributes.values(), PER_CONTAINER))
+    return []

@@ -4,9 +4,11 @@ DDP averages gradients only for forwards that go through it (``model(x)``). Code
 model's submodules itself (``model.decoder(model.encoder(x))``) or its ``forward`` trains with
 gradients DDP never saw, and the ranks would drift apart. An optimizer autoddp found a model
 through gets a step pre-hook (torch's public ``register_step_pre_hook``): when no forward went
-through the model's DDP since that optimizer's last step, it averages the gradients across ranks
-itself (slower than DDP, which overlaps the communication with the backward) and says so once.
-The check is two integer comparisons per step.
+through the model's DDP since that optimizer's last step, or a submodule was called with gradients
+beside it (an auxiliary loss through ``model.encoder(x2)``, counted by ``_routing.watch``), it
+averages every gradient across ranks itself and says so once. Averaging again what DDP averaged
+changes nothing (the values are equal on every rank), so DDP's part plus the bypass's comes out
+averaged: the single-process gradient. The check is a few integer comparisons per step.
 """
 
 from __future__ import annotations
@@ -21,33 +23,69 @@ from autoddp.models import _routing
 _GUARDED = "_autoddp_guarded"
 
 
-def guard(optimizer: torch.optim.Optimizer, models: list[torch.nn.Module]) -> None:
-    """Average the gradients of ``models`` before ``optimizer``'s steps that their DDP did not see."""
-    replicas = [m for m in models if _routing.REPLICA_ATTR in m.__dict__]
-    if not replicas or getattr(optimizer, _GUARDED, False):
-        return
-    seen = {id(m): m.__dict__[_routing.REPLICA_ATTR].forwards for m in replicas}
-    warned: set[int] = set()
+class _Guard:
+    """An optimizer's step pre-hook: the models it trains, and their counts at its last step."""
 
-    def before_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for model in replicas:
+    def __init__(self) -> None:
+        self.models: list[torch.nn.Module] = []
+        self.seen: dict[int, tuple[int, int]] = {}  # id(model) -> (DDP forwards, bypasses)
+        self.warned: set[int] = set()
+
+    def add(self, models: list[torch.nn.Module]) -> None:
+        for model in models:
+            replica = model.__dict__.get(_routing.REPLICA_ATTR)
+            if replica is not None and id(model) not in self.seen:
+                self.models.append(model)
+                self.seen[id(model)] = (replica.forwards, replica.bypasses)
+
+    def __call__(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for model in self.models:
             replica = model.__dict__.get(_routing.REPLICA_ATTR)
             if replica is None:
                 continue
-            averaged = replica.forwards == seen[id(model)] and _average(model)
-            if averaged and id(model) not in warned:
-                warned.add(id(model))
-                _warn.warn(
-                    f"{type(model).__name__}'s gradients were computed without calling "
-                    f"{type(model).__name__} itself (its submodules or its forward were called "
-                    "directly), so DDP did not average them; autoddp averaged them before "
-                    "optimizer.step() instead. Call the model itself (model(x)) to let DDP overlap "
-                    "that communication with the backward pass"
-                )
-            seen[id(model)] = replica.forwards
+            forwards, bypasses = self.seen[id(model)]
+            unseen = replica.forwards == forwards
+            if (unseen or replica.bypasses != bypasses) and _average(model) and id(model) not in self.warned:
+                self.warned.add(id(model))
+                _warn.warn(_without_ddp(model) if unseen else _beside_ddp(model))
+            self.seen[id(model)] = (replica.forwards, replica.bypasses)
 
-    optimizer.register_step_pre_hook(before_step)
-    setattr(optimizer, _GUARDED, True)
+
+def _without_ddp(model: torch.nn.Module) -> str:
+    name = type(model).__name__
+    return (
+        f"{name}'s gradients were computed without calling {name} itself (its submodules or its "
+        "forward were called directly), so DDP did not average them; autoddp averaged them before "
+        "optimizer.step() instead. Call the model itself (model(x)) to let DDP overlap that "
+        "communication with the backward pass"
+    )
+
+
+def _beside_ddp(model: torch.nn.Module) -> str:
+    name = type(model).__name__
+    return (
+        f"{name}'s submodules were called directly with gradients (model.encoder(x) beside "
+        f"model(x), e.g. an auxiliary loss), so part of its gradients did not go through DDP; "
+        "autoddp averaged all of them again before optimizer.step() (one more all-reduce per such "
+        f"step). Compute that loss inside {name}'s forward to leave it to DDP alone"
+    )
+
+
+def guard(optimizer: torch.optim.Optimizer, models: list[torch.nn.Module]) -> None:
+    """Average the gradients of ``models`` before ``optimizer``'s steps that their DDP did not see.
+
+    Called again (a param group added later), it adds the models not yet guarded to the same hook.
+    """
+    existing = optimizer.__dict__.get(_GUARDED)
+    if isinstance(existing, _Guard):
+        existing.add(models)
+        return
+    if not any(_routing.REPLICA_ATTR in m.__dict__ for m in models):
+        return
+    hook = _Guard()
+    hook.add(models)
+    optimizer.register_step_pre_hook(hook)
+    optimizer.__dict__[_GUARDED] = hook
 
 
 def _average(model: torch.nn.Module) -> bool:

@@ -6,11 +6,18 @@ qualified name) whose ``__call__`` asks the module's ``Replica`` (kept in the in
 otherwise. ``no_sync`` is always there (a no-op without DDP). Pickling, ``torch.save(model)``
 and ``copy.deepcopy`` give the plain class without autoddp's attributes. User methods that
 compute with gradients without calling the model warn once (DDP cannot see them).
+
+The submodules owning parameters keep their own class (``type(m) is nn.Linear`` holds); each gets
+a ``forward`` in its instance ``__dict__`` (``watch``) that counts, on the root's replica, backward
+passes through calls made outside the DDP's forward (``model.encoder(x)`` beside ``model(x)``),
+so that the optimizer's guard averages those gradients (``_averaging``). Inside the DDP's forward
+(every normal step) it costs one method call and two attribute reads per submodule call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import threading
 import types
@@ -31,12 +38,18 @@ class Replica(Protocol):
     """What the swapped class needs from the state kept beside the module."""
 
     forwards: int
+    #: Backward passes through submodules called outside the DDP's forward (DDP cannot see them).
+    bypasses: int
+    #: True while the DDP's forward runs (what the submodules' watchers read: no thread-local).
+    inside: bool
 
     def for_call(
         self, module: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
     ) -> torch.nn.parallel.DistributedDataParallel | None: ...
 
     def explain(self, error: RuntimeError, module: torch.nn.Module) -> BaseException: ...
+
+    def count_bypass(self, grad: torch.Tensor) -> None: ...
 
 
 class _Routing(threading.local):
@@ -57,7 +70,7 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     ddp = replica.for_call(self, args, kwargs)
     if ddp is None:
         return plain.__call__(self, *args, **kwargs)
-    _ROUTING.inside = True
+    _ROUTING.inside = replica.inside = True
     _ROUTING.calls += 1
     replica.forwards += 1
     try:
@@ -68,7 +81,7 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             raise
         raise explained from error
     finally:
-        _ROUTING.inside = False
+        _ROUTING.inside = replica.inside = False
 
 
 def _no_sync(self: torch.nn.Module) -> contextlib.AbstractContextManager:
@@ -192,15 +205,89 @@ def redirect_compiled(compiled: torch.nn.Module) -> None:
 
 
 def swap(module: torch.nn.Module, strategy: Any) -> None:
-    """Give ``module`` its swapped class (idempotent)."""
+    """Give ``module`` its swapped class (idempotent; a watched submodule becomes a root)."""
+    _unwatch(module)
     if "_autoddp_plain_class" not in type(module).__dict__:
         module.__class__ = swapped_class(type(module), strategy)
 
 
 def unswap(module: torch.nn.Module) -> None:
-    """Give ``module`` its own class back and drop autoddp's attributes."""
+    """Give ``module`` its own class back and drop autoddp's attributes (its submodules' too)."""
+    for sub in module.modules():
+        _unwatch(sub)
     for name in _PRIVATE:
         module.__dict__.pop(name, None)
     plain = type(module).__dict__.get("_autoddp_plain_class")
     if plain is not None:
         module.__class__ = plain
+
+
+class _Watch:
+    """A watched submodule's ``forward``: counts backward passes through its calls outside DDP.
+
+    A call with gradients outside the DDP's forward hooks its output; the count moves when a
+    backward reaches it (an auxiliary loss), not for a forward nobody trains with (a metric, a
+    log line on one rank), so every rank agrees on it. The submodule's ``__dict__`` holds the
+    bound ``__call__`` (a plain method call, the cheapest). A deep copy of the submodule counts
+    for nobody; a pickle of it gets its class's plain ``forward`` back (``getattr``: it loads
+    without autoddp).
+    """
+
+    __slots__ = ("forward", "module", "replica")
+
+    def __init__(self, module: torch.nn.Module, replica: Replica | None) -> None:
+        self.module = module
+        self.replica = replica
+        self.forward = types.MethodType(type(module).forward, module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        replica = self.replica
+        if replica is None or replica.inside or not torch.is_grad_enabled():
+            return self.forward(*args, **kwargs)
+        result = self.forward(*args, **kwargs)
+        _on_backward(result, replica.count_bypass)
+        return result
+
+    def __deepcopy__(self, memo: dict) -> _Watch:
+        return _Watch(copy.deepcopy(self.module, memo), None)
+
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        return (getattr, (self.module, "forward"))
+
+
+def _on_backward(value: Any, hook: Callable[[torch.Tensor], None]) -> None:
+    """Hook every tensor in ``value`` (nested lists, tuples, dicts) that a backward may reach."""
+    if isinstance(value, torch.Tensor):
+        if value.requires_grad:
+            value.register_hook(hook)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _on_backward(item, hook)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _on_backward(item, hook)
+
+
+def _watcher(module: torch.nn.Module) -> _Watch | None:
+    found = getattr(module.__dict__.get("forward"), "__self__", None)
+    return found if isinstance(found, _Watch) else None
+
+
+def watch(root: torch.nn.Module, replica: Replica) -> None:
+    """Have every submodule of ``root`` that owns parameters count its calls DDP cannot see.
+
+    Those that own none need no watcher: calling one (``model.encoder``) calls the ones that do.
+    """
+    for sub in root.modules():
+        if sub is root or "_autoddp_plain_class" in type(sub).__dict__:
+            continue  # a root of its own
+        watcher = _watcher(sub)
+        if watcher is not None:
+            watcher.replica = replica
+        elif sub._parameters and "forward" not in sub.__dict__:  # (a forward of the user's: kept)
+            object.__setattr__(sub, "forward", _Watch(sub, replica).__call__)
+
+
+def _unwatch(module: torch.nn.Module) -> None:
+    if _watcher(module) is not None:
+        del module.__dict__["forward"]

@@ -80,6 +80,9 @@ class Replica:
         self.registrations = -1
         #: Forwards routed through the DDP so far (the optimizer's guard compares, see ``guard``).
         self.forwards = 0
+        #: Backward passes through submodules called outside the DDP's forward (``_routing.watch``).
+        self.bypasses = 0
+        self.inside = False  # while the DDP's forward runs
         self.lazy = _has_lazy_parameters(module)
         if not self.lazy:
             self.build(module)
@@ -91,6 +94,7 @@ class Replica:
         params = list(module.parameters())
         self.signature = [(p, p.dtype, p.device, p.requires_grad) for p in params]
         self.registrations = _REGISTRATIONS.count
+        _routing.watch(module, self)  # submodules called beside the DDP (``model.encoder(x)``)
         if not any(p.requires_grad for p in params):
             return  # nothing to synchronise (yet)
         device = next((p.device for p in params if p.requires_grad), torch.device("cpu"))
@@ -132,6 +136,10 @@ class Replica:
             if p.dtype is not dtype or p.requires_grad is not requires_grad or p.device != device:
                 return True
         return False
+
+    def count_bypass(self, grad: torch.Tensor) -> None:
+        """A backward reached the output of a submodule called outside the DDP (a tensor hook)."""
+        self.bypasses += 1
 
     def explain(self, error: RuntimeError, module: torch.nn.Module) -> BaseException:
         """DDP's error about parameters that got no gradient, as one naming them and the fix."""

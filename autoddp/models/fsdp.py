@@ -7,6 +7,7 @@ the parameters; then the root. FSDP2 swaps the module's class for ``FSDP<Class>`
 the user's: ``isinstance`` holds, keys stay plain); autoddp adds one more subclass on top whose
 ``load_state_dict`` also takes a full plain state dict (scattered to the shards). A meta-device
 copy of the module made before sharding rebuilds the plain, unsharded model for the caller.
+Values the user's code reads from the sharded weights are the full tensor's (``_reads``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from autoddp import _compat, _warn, hardware
 from autoddp.errors import ConfigurationError
-from autoddp.models import _routing
+from autoddp.models import _reads, _routing
 from autoddp.models.strategy import Strategy
 from autoddp.state import CURRENT, RunOptions, World
 
@@ -175,6 +176,7 @@ def wrap_model(
     fsdp.fully_shard(module, **kwargs)
     _routing.swap_class(module, _sharded_class(type(module)))
     object.__setattr__(module, _SKELETON, skeleton)
+    _reads.install()  # w.norm().item() and the like: the full tensor's values, never a shard's
     CURRENT.track(module, FSDP)
     return module
 
@@ -250,8 +252,9 @@ class FSDPStrategy(Strategy):
         return _SKELETON in model.__dict__
 
     def release(self, model: torch.nn.Module) -> None:
-        """Sharding stays (FSDP2 cannot be undone); autoddp's own subclass goes."""
+        """Sharding stays (FSDP2 cannot be undone); autoddp's own subclass and reads go."""
         model.__dict__.pop(_SKELETON, None)
+        _reads.uninstall()
         plain = type(model).__dict__.get("_autoddp_plain_class")
         if plain is not None:
             model.__class__ = plain
