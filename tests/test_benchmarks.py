@@ -162,3 +162,22 @@ def test_hang_watch_measures_both_ways_and_prints_json():
     assert figures["small"]["pairs"] == 4 and figures["small"]["launches"]["pairs"] == 1
     assert 0 < figures["small"]["wall"]["ratio"] < 10 and "control" in figures["small"]
     assert 0 < figures["marked_call_us"] < 100 and 0 < figures["watch_tick_us"] < 10_000
+
+
+def test_capture_hooks_measures_every_piece_and_prints_json():
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "capture_hooks.py"), "--repeat", "1"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout.splitlines()[-1])
+    assert set(figures) == {
+        "step_pre_hook_ns",
+        "backward_wrapper_ns",
+        "submodule_call_ns",
+        "watched_submodule_call_extra_ns",
+        "sharded_sampler_us_per_batch",
+        "distributed_sampler_us_per_batch",
+    }

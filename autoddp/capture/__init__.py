@@ -321,7 +321,7 @@ class Session:
         return backward
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self.busy:
+        if not self.busy and self.undistributed.at_step:
             self.undistributed.before_step(self.notice, caller_site())
 
     def _ddp_init(self, original: Any) -> Any:

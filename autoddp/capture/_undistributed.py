@@ -67,6 +67,11 @@ class Undistributed:
                 captured=True,
             )
 
+    @property
+    def at_step(self) -> bool:
+        """True while an optimizer step has something to check (after the first, rarely)."""
+        return not self.step_checked or (self.whole_pass is not None and not self._warned_whole)
+
     def before_step(self, notice: Notice | None, site: Site) -> None:
         """At an optimizer step: the first one checks the data; any one checks a whole pass."""
         if self.whole_pass is not None and not self._warned_whole:
