@@ -6,8 +6,15 @@ Real 2-process gloo runs of unchanged code, the decorator and the command alike.
 
 from __future__ import annotations
 
+import os
 import pickletools
+import time
 
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import autoddp
 from conftest import run_python, write
 
 # --- item 10: a saved captured model is the user's plain class, loadable without autoddp --------
@@ -64,3 +71,97 @@ def test_a_saved_captured_model_loads_with_plain_torch(tmp_path):
     assert "_autoddp" not in loaded.stdout
     trained = next(line for line in ran.stdout.splitlines() if "weight" in line).split()[-1]
     assert loaded.stdout.splitlines()[-1].split()[-1] == trained
+
+
+# --- item 2: a captured torch.save returns on every rank once the file is complete --------------
+
+SAVE_THEN_LOAD = """
+    import os, sys, torch, torch.distributed as dist
+    from torch import nn
+    folder, kind = sys.argv[1], sys.argv[2]
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = os.path.join(folder, "state.pt")
+    stale = 0
+    for i in range(20):  # every rank saves, reads the file back, trains a step
+        state = {"i": i, "w": torch.full((20000,), float(i))}
+        if kind == "path":
+            torch.save(state, path)
+        else:  # a file object every rank opened on the same path
+            with open(path, "wb") as f:
+                torch.save(state, f)
+        back = torch.load(path)
+        stale += back["i"] != i or not bool((back["w"] == i).all())
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    print("STALE", dist.get_rank(), stale, flush=True)
+"""
+
+
+def _stale_loads(tmp_path, kind: str) -> list[list[str]]:
+    script = write(tmp_path / "reload.py", SAVE_THEN_LOAD)
+    command = ["-m", "autoddp.cli", "-n", "2", "--ranks", "all", str(script), str(tmp_path), kind]
+    ran = run_python(command)
+    assert ran.returncode == 0, ran.stderr
+    assert sorted(os.listdir(tmp_path)) == ["reload.py", "state.pt"]  # no temporary file left
+    return sorted(line.split("STALE", 1)[1].split() for line in ran.stdout.splitlines() if "STALE" in line)
+
+
+def test_the_command_returns_every_save_once_the_file_is_complete(tmp_path):
+    assert _stale_loads(tmp_path, "path") == [["0", "0"], ["1", "0"]]  # 19 of 20 stale before
+
+
+@autoddp.distributed(nproc=2)
+def _restore_best_then_fine_tune(folder: str):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    stale = 0
+    for _ in range(10):
+        loss = (model(x) - y).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        torch.save(model.state_dict(), os.path.join(folder, "best.pt"))  # every epoch: repeated saves
+        stale += int(not torch.equal(torch.load(os.path.join(folder, "best.pt"))["weight"], model.weight))
+    model.load_state_dict(torch.load(os.path.join(folder, "best.pt")))  # restore, then fine-tune
+    for _ in range(3):
+        loss = (model(x) - y).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    everyone = [None, None]
+    dist.all_gather_object(everyone, (stale, model.weight.detach().clone()))
+    return everyone
+
+
+def test_the_decorator_returns_every_save_once_the_file_is_complete(tmp_path):
+    (stale0, w0), (stale1, w1) = _restore_best_then_fine_tune(str(tmp_path))
+    assert (stale0, stale1) == (0, 0)
+    torch.testing.assert_close(w0, w1, rtol=1e-5, atol=1e-5)  # the replicas stay equal
+
+
+RANK_DEPENDENT_WHILE_TRAINING = """
+    import torch, torch.distributed as dist
+    from torch import nn
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(4):
+        loss = model(torch.ones(2, 4)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()  # DDP's all-reduce: rank 0 waits here while rank 1 saves
+        opt.step()
+        if epoch == 0 or dist.get_rank() == 1:  # rank 1 alone saves after epoch 0
+            torch.save({"epoch": epoch, "rank": dist.get_rank()}, "best.pt")
+    print("done", dist.get_rank(), flush=True)
+"""
+
+
+def test_a_rank_dependent_save_while_training_keeps_rank0s_file_promptly(tmp_path):
+    script = write(tmp_path / "best.py", RANK_DEPENDENT_WHILE_TRAINING)
+    start = time.monotonic()
+    ran = run_python(["-m", "autoddp.cli", "-n", "2", str(script)], cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert time.monotonic() - start < 20  # rank 1 sees rank 0 has gone on: no long wait, no deadlock
+    assert torch.load(tmp_path / "best.pt") == {"epoch": 0, "rank": 0}

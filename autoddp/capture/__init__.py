@@ -80,6 +80,8 @@ class Session:
                 self._patch(owner, "init_process_group", self._init_process_group)
 
     def uninstall(self) -> None:
+        if self.saves is not None:
+            self.saves.finish()  # rank 0's code has ended: no rank waits for its saves any more
         for owner, name, original in reversed(self._patches):
             setattr(owner, name, original)
         self._patches = []
@@ -109,7 +111,7 @@ class Session:
             self.made_group = True
         if self.notice is None:
             self.notice = Notice(self._world.rank, self._world.world_size)
-            self.saves = Saves(self._world.rank)
+            self.saves = Saves(self._world.rank, self._world.local_rank)
         return self._world
 
     # --- the hooks ----------------------------------------------------------------------------
