@@ -165,3 +165,26 @@ def test_a_rank_dependent_save_while_training_keeps_rank0s_file_promptly(tmp_pat
     assert ran.returncode == 0, ran.stderr
     assert time.monotonic() - start < 20  # rank 1 sees rank 0 has gone on: no long wait, no deadlock
     assert torch.load(tmp_path / "best.pt") == {"epoch": 0, "rank": 0}
+
+
+def test_a_file_object_every_rank_opened_is_written_once_and_complete(tmp_path):
+    assert _stale_loads(tmp_path, "file") == [["0", "0"], ["1", "0"]]  # torn or stale before
+
+
+@autoddp.distributed(nproc=2)
+def _rank0_only_file_saves(folder: str):
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(3):
+        model(torch.ones(2, 4)).sum().backward()  # rank 1 waits for rank 0 here
+        opt.step()
+        if dist.get_rank() == 0:  # as written: nobody else opens the file
+            with open(os.path.join(folder, "last.pt"), "wb") as f:
+                torch.save({"epoch": epoch}, f)
+    return torch.load(os.path.join(folder, "last.pt")) if dist.get_rank() == 0 else None
+
+
+def test_a_rank0_only_file_object_save_does_not_wait_long(tmp_path):
+    start = time.monotonic()
+    assert _rank0_only_file_saves(str(tmp_path)) == {"epoch": 2}
+    assert time.monotonic() - start < 15  # rank 0 sees rank 1 has gone on, at each save

@@ -34,7 +34,7 @@ from autoddp import _compat, _warn, models
 from autoddp.capture import loaders, optimizers
 from autoddp.capture._notice import Notice, where
 from autoddp.capture._registry import Registry, user_site
-from autoddp.capture.saves import Saves
+from autoddp.capture.saves import Saves, opened_path
 from autoddp.errors import ConfigurationError
 from autoddp.models import optimizers as model_optimizers
 from autoddp.state import CURRENT, RunOptions, World
@@ -111,7 +111,9 @@ class Session:
             self.made_group = True
         if self.notice is None:
             self.notice = Notice(self._world.rank, self._world.world_size)
-            self.saves = Saves(self._world.rank, self._world.local_rank)
+            self.saves = Saves(
+                self._world.rank, self._world.local_rank, self._world.world_size, self._world.local_world_size
+            )
         return self._world
 
     # --- the hooks ----------------------------------------------------------------------------
@@ -214,14 +216,15 @@ class Session:
 
     def _save(self, original: Any) -> Any:
         def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.busy or not isinstance(f, (str, os.PathLike)):
+            path = f if isinstance(f, (str, os.PathLike)) else opened_path(f)  # open(path, "wb") too
+            if self.busy or path is None:
                 return original(obj, f, *args, **kwargs)
             with self._own_work():
                 self.world()
                 assert self.saves is not None and self.notice is not None
                 obj = model_optimizers.full_tensors(obj)  # sharded (FSDP) state: gathered whole
-                what = self.saves.save(original, obj, f, args, kwargs)
-            path = os.fspath(f)
+                what = self.saves.save(original, obj, path, args, kwargs, opened=None if path is f else f)
+            path = os.fspath(path)
             self.notice.say(("save", os.path.abspath(path)), f"torch.save({path!r}): {what}")
             return None
 

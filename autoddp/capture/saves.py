@@ -10,14 +10,21 @@ is done: the file is complete on every rank when ``torch.save`` returns, first s
 repeated ones alike. When rank 0 has gone on without it (it made another save there, is blocked
 in a collective this rank is not in, or has finished), a path rank 0 saved before stays rank 0's
 (a rank-dependent ``if loss < best:`` writes nothing) and any other path is this rank's own
-(per-rank files). Where rank 0's progress cannot be seen (it runs on another machine), the wait
-is bounded by ``SETTLE_SECONDS`` and says so.
+(per-rank files). Where rank 0's progress cannot be seen (it runs on another machine, or waits in
+a collective torch makes in C++), the wait is bounded by ``SETTLE_SECONDS`` and says so.
+
+A file object every rank opened on the same path (``with open(path, "wb") as f: torch.save(sd,
+f)``) is the same save of that path: rank 0 renames its complete file over the path only once the
+others have reached the save (or gone on, or ``OPEN_SECONDS`` passed), so that no rank's ``open``
+truncates it afterwards; a rank whose ``open`` came later and emptied it puts its own complete
+copy in place, atomically.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +37,8 @@ from autoddp.hang.marks import MARKS
 _PREFIX = "autoddp/torch.save/"
 _FINISHED = f"{_PREFIX}finished"
 SETTLE_SECONDS = 10.0
+#: How long rank 0 waits for the others to open the path of a file-object save.
+OPEN_SECONDS = 2.0
 #: How long rank 0 must stay blocked in a collective before it counts as having gone on.
 BLOCKED_SECONDS = 0.5
 _POLL_SECONDS = 0.01
@@ -42,43 +51,58 @@ PER_RANK = "written by each rank (the paths differ)"
 class Saves:
     """One process's ``torch.save`` calls in a run: naming them and the store protocol."""
 
-    def __init__(self, rank: int, local_rank: int) -> None:
-        self.rank = rank
+    def __init__(self, rank: int, local_rank: int, world_size: int, local_world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
         self.point = -1  # collectives issued at the last save, and the saves made there
         self.at_point = 0
         self.per_path: dict[str, int] = {}
         self.warned: set[str] = set()
-        # rank 0's hang record, where it runs on this machine: it tells when rank 0 has gone on
+        # the hang records, on rank 0's machine: they tell when a rank has gone on without a save
         folder = os.environ.get(record.FOLDER_VARIABLE)
-        self.rank0_record = record.record_path(folder, 0) if folder and rank == local_rank else None
+        self.records = folder if folder and rank == local_rank else None
+        self.local_world_size = local_world_size
 
-    def save(self, original: Callable[..., Any], obj: Any, path: Any, args: tuple, kwargs: dict) -> str:
-        """Save ``obj`` to ``path`` as described above; returns what happened, for the notice."""
+    def save(
+        self,
+        original: Callable[..., Any],
+        obj: Any,
+        path: Any,
+        args: tuple,
+        kwargs: dict,
+        opened: Any = None,
+    ) -> str:
+        """Save ``obj`` to ``path`` (a file object ``opened`` on it: see above); returns what
+        happened, for the notice."""
         target = os.path.abspath(os.fspath(path))
         name = self._name(target)
         store = _compat.default_store()
-        write = lambda: atomic_write(target, lambda file: original(obj, file, *args, **kwargs))  # noqa: E731
         where = f"torch.save to {os.path.basename(target)!r}"  # for the hang report
         if self.rank == 0:
+            wait = (lambda: self._wait_for_opens(store, name)) if opened is not None else None
             store.set(f"{_PREFIX}at/{name}", target)
             store.set(f"{_PREFIX}path/{target}/{self._path_name(target, name)}", name)
             store.set(f"{_PREFIX}owned/{target}", "1")
             with MARKS.marked(record.RUNS_RANK0, where):
-                write()
+                atomic_write(target, lambda file: original(obj, file, *args, **kwargs), wait)
             store.set(f"{_PREFIX}done/{name}", "1")
             return RANK0_WRITES
+        if opened is not None:
+            store.set(f"{_PREFIX}opened/{name}/{self.rank}", "1")
         outcome = self._follow(store, target, name, where)
-        if outcome == PER_RANK:
-            write()
+        if outcome == PER_RANK and opened is not None:
+            original(obj, opened, *args, **kwargs)  # its own file, opened by this rank alone
+        elif outcome == PER_RANK or (opened is not None and _emptied(opened, target)):
+            # (this rank's open(path, "wb") came after rank 0's file was in place, and emptied it)
+            atomic_write(target, lambda file: original(obj, file, *args, **kwargs))
         return outcome
 
     def finish(self) -> None:
-        """Rank 0's user code has ended: no rank waits for a save of it any more."""
+        """This rank's user code has ended: no rank waits for a save of it any more."""
         import torch.distributed as dist
 
-        if self.rank == 0 and dist.is_initialized():
+        if dist.is_initialized():
             with contextlib.suppress(Exception):  # a group already torn down: nobody is waiting
-                _compat.default_store().set(_FINISHED, "1")
+                _compat.default_store().set(f"{_FINISHED}/{self.rank}", "1")
 
     # --- naming -------------------------------------------------------------------------------
 
@@ -110,24 +134,38 @@ class Saves:
             is_owned = store.check([owned])
             if not is_owned and store.check([theirs]) and store.get(theirs).decode() != target:
                 return PER_RANK  # rank 0 saved another path at this point: per-rank files
-            if store.check([_FINISHED]) or self._rank0_blocked():
+            if store.check([f"{_FINISHED}/0"]) or self._went_on(0):
                 return OWNED if is_owned else PER_RANK
-            if self.rank0_record is None and time.monotonic() > deadline:
+            if time.monotonic() > deadline:  # (a collective torch makes in C++ shows in no record)
                 self._say_gave_up(target, is_owned)
                 return OWNED if is_owned else PER_RANK
             time.sleep(_POLL_SECONDS)
 
-    def _rank0_blocked(self) -> bool:
-        """Rank 0 has waited in a collective (one this rank is not in) long enough: it went on."""
-        if self.rank0_record is None:
-            return False
-        seen = record.read(self.rank0_record)
+    def _went_on(self, rank: int) -> bool:
+        """``rank`` has waited in a collective (one this rank is not in) long enough: it went on."""
+        if self.records is None or rank >= self.local_world_size:
+            return False  # not on this machine: its progress cannot be seen
+        seen = record.read(record.record_path(self.records, rank))
         return (
             seen is not None
-            and seen.rank == 0
+            and seen.rank == rank
             and seen.in_collective
             and time.monotonic() - seen.since >= BLOCKED_SECONDS
         )
+
+    def _wait_for_opens(self, store: Any, name: str) -> None:
+        """Rank 0, its file complete: wait until every other rank has opened the path for this
+        save (or gone on without it), so that none truncates the file once it is in place."""
+        waiting = set(range(1, self.world_size))
+        deadline = time.monotonic() + OPEN_SECONDS
+        while waiting:
+            for rank in list(waiting):
+                opened, finished = f"{_PREFIX}opened/{name}/{rank}", f"{_FINISHED}/{rank}"
+                if store.check([opened]) or store.check([finished]) or self._went_on(rank):
+                    waiting.discard(rank)
+            if waiting and time.monotonic() > deadline:
+                return  # a rank that opens it later puts its own complete copy in place (``save``)
+            time.sleep(_POLL_SECONDS)
 
     def _say_gave_up(self, target: str, owned: bool) -> None:
         if target in self.warned:
@@ -136,7 +174,29 @@ class Saves:
         then = "wrote nothing (the file is rank 0's)" if owned else "wrote its own file"
         _warn.warn(
             f"rank {self.rank} waited {SETTLE_SECONDS:.0f} s in torch.save({os.path.basename(target)!r}) "
-            f"for rank 0 to save it at the same point, which rank 0 (on another machine) did not, and "
-            f"{then}: the file may not yet be complete when this torch.save returns. Save from every "
-            "rank at the same point, or only on rank 0 (if dist.get_rank() == 0: torch.save(...))"
+            f"for rank 0 to save it at the same point, which rank 0 did not in that time, and {then}: "
+            "the file may not yet be complete when this torch.save returns. Save from every rank at "
+            "the same point, or only on rank 0 (if dist.get_rank() == 0: torch.save(...))"
         )
+
+
+def opened_path(file: Any) -> str | None:
+    """The path of a file object just opened for writing on a regular file (``open(path, "wb")``),
+    else None: a stream, a buffer or a file already written to is saved as it is."""
+    name, mode = getattr(file, "name", None), getattr(file, "mode", "")
+    if not isinstance(name, str) or not isinstance(mode, str) or mode not in ("wb", "xb"):
+        return None
+    try:
+        regular = stat.S_ISREG(os.fstat(file.fileno()).st_mode)
+        return name if regular and file.tell() == 0 else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _emptied(opened: Any, target: str) -> bool:
+    """True when ``opened`` is the file now at ``target`` (so its ``open`` truncated that file)."""
+    try:
+        mine, now = os.fstat(opened.fileno()), os.stat(target)
+    except (OSError, ValueError):
+        return False
+    return (mine.st_dev, mine.st_ino) == (now.st_dev, now.st_ino)
