@@ -188,3 +188,47 @@ def test_a_rank0_only_file_object_save_does_not_wait_long(tmp_path):
     start = time.monotonic()
     assert _rank0_only_file_saves(str(tmp_path)) == {"epoch": 2}
     assert time.monotonic() - start < 15  # rank 0 sees rank 1 has gone on, at each save
+
+
+# --- item 9: what comes back is an instance of the caller's own classes --------------------------
+
+RETURNS_OWN_CLASSES = """
+    import dataclasses, io, pickle, sys, torch, autoddp
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.layer(x)
+
+    @dataclasses.dataclass
+    class Summary:
+        loss: float
+        net: Net
+
+    @autoddp.distributed(nproc=2, start_method=sys.argv[1])
+    def train():
+        net = Net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        net(torch.ones(2, 3)).sum().backward()
+        opt.step()
+        return net, Summary(1.5, net)
+
+    net, summary = train()
+    print("CLASSES", type(net) is Net, type(summary) is Summary, type(summary.net) is Net, summary.net is net)
+    pickle.loads(pickle.dumps(net))
+    torch.save(net, io.BytesIO())
+    print("PICKLED", isinstance(pickle.loads(pickle.dumps(summary)), Summary))
+"""
+
+
+def test_the_caller_gets_instances_of_its_own_script_classes(tmp_path):
+    script = write(tmp_path / "own.py", RETURNS_OWN_CLASSES)
+    for start_method in ("fork", "spawn"):
+        ran = run_python([str(script), start_method])
+        assert ran.returncode == 0, (start_method, ran.stderr)
+        assert "CLASSES True True True True" in ran.stdout, (start_method, ran.stdout)
+        assert "PICKLED True" in ran.stdout, (start_method, ran.stdout)
