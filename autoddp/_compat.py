@@ -120,3 +120,8 @@ def collectives_issued() -> int:
     if not backends:
         return int(_need(group, "_get_sequence_number_for_group", "to count the group's collectives")())
     return sum(int(b._get_sequence_number_for_group()) for b in backends.values())
+
+
+def batches_drawn(iterator: Any) -> int:
+    """How many batches a DataLoader's iterator has yielded in its current pass."""
+    return int(_need(iterator, "_num_yielded", "to count the batches of a DataLoader's pass"))

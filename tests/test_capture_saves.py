@@ -10,6 +10,7 @@ import os
 import pickletools
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -34,6 +35,7 @@ SAVES_MODEL = """
 LOAD_WITHOUT_AUTODDP = """
 import sys
 sys.modules["autoddp"] = None  # any reference to autoddp in the pickle fails to import
+import pytest
 import torch
 model = torch.load(sys.argv[1], weights_only=False)
 print(type(model).__module__, type(model).__qualname__, sorted(model.__dict__)[:3])
@@ -232,3 +234,69 @@ def test_the_caller_gets_instances_of_its_own_script_classes(tmp_path):
         assert ran.returncode == 0, (start_method, ran.stderr)
         assert "CLASSES True True True True" in ran.stdout, (start_method, ran.stdout)
         assert "PICKLED True" in ran.stdout, (start_method, ran.stdout)
+
+
+# --- item 15: a rank that runs out of batches first is named -------------------------------------
+
+UNEVEN = """
+    import os, torch
+    from torch import nn
+    from torch.utils.data import DataLoader, IterableDataset
+
+
+    class Shard(IterableDataset):  # the user's own sharding: rank 0 has 10 samples, rank 1 has 12
+        def __iter__(self):
+            for i in range(10 if os.environ["RANK"] == "0" else 12):
+                yield torch.full((4,), float(i))
+
+
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for x in DataLoader(Shard(), batch_size=2):
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+"""
+
+EARLY = "rank 0 finished its DataLoader ({}) after 5 batches while rank 1 went on to batch 6: every rank"
+
+
+def test_the_command_names_the_rank_that_ran_out_of_batches_first(tmp_path):
+    script = write(tmp_path / "uneven.py", UNEVEN)
+    start = time.monotonic()
+    ran = run_python(["-m", "autoddp.cli", "-n", "2", str(script)])
+    assert ran.returncode == 1 and time.monotonic() - start < 30  # promptly, no timeout-long hang
+    last = ran.stderr.strip().splitlines()[-1]
+    assert last.startswith("autoddp: UnevenBatchesError: " + EARLY.format("uneven.py:15")), last
+    assert "shard the iterabledataset evenly" in last.lower()
+
+
+class _Shard(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        for i in range(10 if os.environ["RANK"] == "0" else 12):
+            yield torch.full((4,), float(i))
+
+
+@autoddp.distributed(nproc=2)
+def _train_on_uneven_shards():
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(2):  # the second pass is uneven too; the first is named
+        for x in torch.utils.data.DataLoader(_Shard(), batch_size=2):
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
+def test_the_decorator_names_the_rank_that_ran_out_of_batches_first():
+    from autoddp.errors import UnevenBatchesError
+
+    line = _train_on_uneven_shards.__wrapped__.__code__.co_firstlineno + 5  # (from the decorator's line)
+    start = time.monotonic()
+    with pytest.raises(UnevenBatchesError) as raised:
+        _train_on_uneven_shards()
+    assert time.monotonic() - start < 30
+    assert str(raised.value).startswith(EARLY.format(f"test_capture_saves.py:{line}"))
+    assert "Connection closed by peer" in str(raised.value.__cause__)  # gloo's error, kept as the cause

@@ -140,3 +140,10 @@ def test_collectives_issued_counts_the_default_groups_collectives_alike_on_every
 
     (before0, after0), (before1, after1) = count()
     assert before0 == before1 and after0 == after1 and after0 - before0 == 2
+
+
+def test_batches_drawn_is_the_count_a_loaders_iterator_has_yielded_this_pass():
+    iterator = iter(DataLoader(list(range(10)), batch_size=2))
+    assert _compat.batches_drawn(iterator) == 0
+    next(iterator), next(iterator)
+    assert _compat.batches_drawn(iterator) == 2

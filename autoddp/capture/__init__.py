@@ -34,6 +34,7 @@ from autoddp import _compat, _warn, models
 from autoddp.capture import loaders, optimizers
 from autoddp.capture._notice import Notice, where
 from autoddp.capture._registry import Registry, user_site
+from autoddp.capture.passes import Passes
 from autoddp.capture.saves import Saves, opened_path
 from autoddp.errors import ConfigurationError
 from autoddp.models import optimizers as model_optimizers
@@ -61,6 +62,7 @@ class Session:
         self._loaders = 0
         self.notice: Notice | None = None
         self.saves: Saves | None = None
+        self.passes = Passes()  # batches per pass of IterableDataset loaders: who ran out first
         if world is not None:
             self.world()
 
@@ -82,6 +84,7 @@ class Session:
     def uninstall(self) -> None:
         if self.saves is not None:
             self.saves.finish()  # rank 0's code has ended: no rank waits for its saves any more
+        self.passes.write()
         for owner, name, original in reversed(self._patches):
             setattr(owner, name, original)
         self._patches = []
@@ -164,7 +167,7 @@ class Session:
             if not self.busy and not loader.__dict__.get("_autoddp_seen"):
                 loader.__dict__["_autoddp_seen"] = True
                 self._shard(loader, user_site(sys._getframe(1)))
-            return original(loader)
+            return self.passes.watch(loader, original)
 
         return __iter__
 
