@@ -125,7 +125,7 @@ class Saves:
         """Wait for rank 0's save of ``target`` here, or for rank 0 to go on without it."""
         same = f"{_PREFIX}path/{target}/{self._path_name(target, name)}"
         theirs, owned = f"{_PREFIX}at/{name}", f"{_PREFIX}owned/{target}"
-        deadline = time.monotonic() + SETTLE_SECONDS
+        deadline, seen = time.monotonic() + SETTLE_SECONDS, {}
         while True:
             if store.check([same]):
                 with MARKS.marked(record.WAITS_FOR_RANK0, where):
@@ -134,34 +134,38 @@ class Saves:
             is_owned = store.check([owned])
             if not is_owned and store.check([theirs]) and store.get(theirs).decode() != target:
                 return PER_RANK  # rank 0 saved another path at this point: per-rank files
-            if store.check([f"{_FINISHED}/0"]) or self._went_on(0):
+            if store.check([f"{_FINISHED}/0"]) or self._went_on(0, seen):
                 return OWNED if is_owned else PER_RANK
             if time.monotonic() > deadline:  # (a collective torch makes in C++ shows in no record)
                 self._say_gave_up(target, is_owned)
                 return OWNED if is_owned else PER_RANK
             time.sleep(_POLL_SECONDS)
 
-    def _went_on(self, rank: int) -> bool:
-        """``rank`` has waited in a collective (one this rank is not in) long enough: it went on."""
+    def _went_on(self, rank: int, seen: dict[int, tuple[int, float]]) -> bool:
+        """``rank`` has stayed in the same collective (one this rank is not in) for ``BLOCKED_SECONDS``
+        of this wait: it went on. Timed from this wait's first sight of it, not from the record's
+        entry time: a rank still leaving the collective this one just left shows an old one."""
         if self.records is None or rank >= self.local_world_size:
             return False  # not on this machine: its progress cannot be seen
-        seen = record.read(record.record_path(self.records, rank))
-        return (
-            seen is not None
-            and seen.rank == rank
-            and seen.in_collective
-            and time.monotonic() - seen.since >= BLOCKED_SECONDS
-        )
+        now = record.read(record.record_path(self.records, rank))
+        if now is None or now.rank != rank or not now.in_collective:
+            seen.pop(rank, None)
+            return False
+        sequence, since = seen.setdefault(rank, (now.sequence, time.monotonic()))
+        if sequence != now.sequence:
+            seen[rank] = (now.sequence, time.monotonic())
+            return False
+        return time.monotonic() - since >= BLOCKED_SECONDS
 
     def _wait_for_opens(self, store: Any, name: str) -> None:
         """Rank 0, its file complete: wait until every other rank has opened the path for this
         save (or gone on without it), so that none truncates the file once it is in place."""
         waiting = set(range(1, self.world_size))
-        deadline = time.monotonic() + OPEN_SECONDS
+        deadline, seen = time.monotonic() + OPEN_SECONDS, {}
         while waiting:
             for rank in list(waiting):
                 opened, finished = f"{_PREFIX}opened/{name}/{rank}", f"{_FINISHED}/{rank}"
-                if store.check([opened]) or store.check([finished]) or self._went_on(rank):
+                if store.check([opened]) or store.check([finished]) or self._went_on(rank, seen):
                     waiting.discard(rank)
             if waiting and time.monotonic() > deadline:
                 return  # a rank that opens it later puts its own complete copy in place (``save``)
