@@ -78,7 +78,7 @@ class Saves:
         store = _compat.default_store()
         where = f"torch.save to {os.path.basename(target)!r}"  # for the hang report
         if self.rank == 0:
-            wait = (lambda: self._wait_for_opens(store, name)) if opened is not None else None
+            wait = (lambda: self._wait_for_opens(store, name, target)) if opened is not None else None
             store.set(f"{_PREFIX}at/{name}", target)
             store.set(f"{_PREFIX}path/{target}/{self._path_name(target, name)}", name)
             store.set(f"{_PREFIX}owned/{target}", "1")
@@ -88,6 +88,7 @@ class Saves:
             return RANK0_WRITES
         if opened is not None:
             store.set(f"{_PREFIX}opened/{name}/{self.rank}", "1")
+            store.set(f"{_PREFIX}opener/{target}/{self.rank}", "1")
         outcome = self._follow(store, target, name, where)
         if outcome == PER_RANK and opened is not None:
             original(obj, opened, *args, **kwargs)  # its own file, opened by this rank alone
@@ -157,10 +158,17 @@ class Saves:
             return False
         return time.monotonic() - since >= BLOCKED_SECONDS
 
-    def _wait_for_opens(self, store: Any, name: str) -> None:
+    def _wait_for_opens(self, store: Any, name: str, target: str) -> None:
         """Rank 0, its file complete: wait until every other rank has opened the path for this
-        save (or gone on without it), so that none truncates the file once it is in place."""
-        waiting = set(range(1, self.world_size))
+        save (or gone on without it), so that none truncates the file once it is in place. Only
+        for ranks whose progress shows, or that opened this path before: an ``if rank == 0:``
+        save is not held up where nothing can tell that the others went on."""
+        visible = self.records is not None
+        waiting = {
+            rank
+            for rank in range(1, self.world_size)
+            if (visible and rank < self.local_world_size) or store.check([f"{_PREFIX}opener/{target}/{rank}"])
+        }
         deadline, seen = time.monotonic() + OPEN_SECONDS, {}
         while waiting:
             for rank in list(waiting):
