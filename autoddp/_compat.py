@@ -109,17 +109,17 @@ def collectives_issued() -> int:
     the same point of the program): the sum of its backends' sequence numbers (gloo and NCCL)."""
     import torch.distributed as dist
 
-    group = _need(dist.distributed_c10d, "_get_default_group", "to count the group's collectives")()
+    what = "to count the group's collectives"
+    group = _need(dist.distributed_c10d, "_get_default_group", what)()
+    get_backend = _need(group, "_get_backend", what)
     backends: dict[int, Any] = {}
     for device in ("cpu", "cuda"):
         try:
-            backend = group._get_backend(torch.device(device))
+            backend = get_backend(torch.device(device))
         except (RuntimeError, ValueError):  # no backend for that device type
             continue
         backends[id(backend)] = backend
-    if not backends:
-        return int(_need(group, "_get_sequence_number_for_group", "to count the group's collectives")())
-    return sum(int(b._get_sequence_number_for_group()) for b in backends.values())
+    return sum(int(_need(b, "_get_sequence_number_for_group", what)()) for b in backends.values())
 
 
 def batches_drawn(iterator: Any) -> int:
