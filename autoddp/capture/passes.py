@@ -2,11 +2,12 @@
 
 A user who shards an IterableDataset unevenly (rank 0 gets 5 batches, rank 1 gets 6) sees rank 0
 leave its loop while rank 1 waits in DDP's all-reduce for batch 6: gloo's "Connection closed by
-peer". Each rank keeps, per such loader, how many batches each pass drew, and writes it to the run
-folder when a pass ends and when its code ends; the launcher (``launch.failures``) reads every
-rank's counts when a rank's error is a consequence of another's leaving, and names the rank that
-finished early. Nothing per batch: the count is the iterator's own, read when its pass ends (its
-``__del__``, or the next pass of a persistent one) or when the file is written.
+peer". Each rank keeps, per loop (its file and line) over such a loader, how many batches each
+pass drew, and writes it to the run folder when a pass ends and when its code ends; the launcher
+(``launch.failures``) reads every rank's counts when a rank's error is a consequence of another's
+leaving, and names the rank that finished early in the loop some rank was drawing from last.
+Nothing per batch: the count is the iterator's own, read when its pass ends (its ``__del__``, or
+the next pass of a persistent one) or when the file is written.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ _FOLDER = "AUTODDP_RUN_FOLDER"
 
 
 class _Loader:
-    """One loader's passes: the batches each drew (the last one's read from its live iterator)."""
+    """One loop's passes (over one loader, or a new one each epoch): the batches each drew, the
+    last one's read from its live iterator."""
 
-    def __init__(self, site: str, owner: Passes) -> None:
-        self.site, self.owner = site, owner
+    def __init__(self, owner: Passes) -> None:
+        self.owner = owner
         self.counts: list[int] = []
         self.iterator: weakref.ref | None = None
 
@@ -73,19 +75,21 @@ class Passes:
     """This rank's watched loaders, in the order they were first iterated (the same on every rank)."""
 
     def __init__(self) -> None:
-        self.loaders: list[_Loader] = []
+        self.loaders: dict[str, _Loader] = {}  # by the site of the loop: a new loader per epoch is one
+        self.latest: _Loader | None = None  # the loader of the pass that began last
 
     def watch(self, loader: DataLoader, original: Callable[[DataLoader], Any]) -> Any:
         """``iter(loader)``, its passes counted when it reads an IterableDataset."""
         if not isinstance(loader.dataset, IterableDataset):
             return original(loader)
-        entry = loader.__dict__.get(_ENTRY)
+        site = where(user_site(sys._getframe(1)))
+        entry = self.loaders.get(site)
         if entry is None:
-            entry = loader.__dict__[_ENTRY] = _Loader(where(user_site(sys._getframe(1))), self)
-            self.loaders.append(entry)
+            entry = self.loaders[site] = _Loader(self)
         entry.end_pass()
         iterator = original(loader)
         entry.start(iterator)
+        self.latest = entry
         return iterator
 
     def write(self) -> None:
@@ -93,7 +97,10 @@ class Passes:
         folder, rank = os.environ.get(_FOLDER), os.environ.get("RANK", "")
         if not folder or not rank.isdigit() or not self.loaders:
             return
-        data = [{"site": entry.site, "passes": entry.current()} for entry in self.loaders]
+        data = [
+            {"site": site, "passes": entry.current(), "last": entry is self.latest}
+            for site, entry in self.loaders.items()
+        ]
         with contextlib.suppress(OSError):
             transport.write_private(_path(folder, int(rank)), json.dumps(data).encode())
 
@@ -110,13 +117,15 @@ def uneven(folder: str, world_size: int) -> str | None:
             ranks[rank] = json.load(handle)
     if len(ranks) < 2:
         return None
-    for index in range(min(len(loaders) for loaders in ranks.values())):
-        passes = {rank: loaders[index]["passes"] for rank, loaders in ranks.items()}
+    sites = {rank: {loader["site"]: loader for loader in loaders} for rank, loaders in ranks.items()}
+    for site in set.intersection(*(set(by_site) for by_site in sites.values())):
+        if not any(by_site[site].get("last") for by_site in sites.values()):
+            continue  # no rank was drawing from it last (an evaluation shard, say)
+        passes = {rank: by_site[site]["passes"] for rank, by_site in sites.items()}
         for number in range(min(len(p) for p in passes.values())):
             drawn = {rank: p[number] for rank, p in passes.items()}
             early, late = min(drawn, key=drawn.get), max(drawn, key=drawn.get)
             if drawn[early] != drawn[late]:
-                site = ranks[early][index]["site"]
                 which = f" in pass {number + 1}" if number else ""
                 return (
                     f"rank {early} finished its DataLoader ({site}) after {drawn[early]} batches{which} "
