@@ -102,3 +102,26 @@ def run_atexit_hooks() -> None:
 def clear_atexit_hooks() -> None:
     """Forget the atexit hooks inherited from the process this one was forked from."""
     _need(atexit, "_clear", "to drop a forked worker's inherited atexit hooks")()
+
+
+def collectives_issued() -> int:
+    """How many collectives this rank has issued on the default group (the same on every rank at
+    the same point of the program): the sum of its backends' sequence numbers (gloo and NCCL)."""
+    import torch.distributed as dist
+
+    what = "to count the group's collectives"
+    group = _need(dist.distributed_c10d, "_get_default_group", what)()
+    get_backend = _need(group, "_get_backend", what)
+    backends: dict[int, Any] = {}
+    for device in ("cpu", "cuda"):
+        try:
+            backend = get_backend(torch.device(device))
+        except (RuntimeError, ValueError):  # no backend for that device type
+            continue
+        backends[id(backend)] = backend
+    return sum(int(_need(b, "_get_sequence_number_for_group", what)()) for b in backends.values())
+
+
+def batches_drawn(iterator: Any) -> int:
+    """How many batches a DataLoader's iterator has yielded in its current pass."""
+    return int(_need(iterator, "_num_yielded", "to count the batches of a DataLoader's pass"))

@@ -92,10 +92,13 @@ def _write(state: Any, path: str) -> None:
     atomic_write(path, lambda file: torch.save(state, file))
 
 
-def atomic_write(path: str, write: Callable[[BinaryIO], None]) -> None:
+def atomic_write(
+    path: str, write: Callable[[BinaryIO], None], before_replace: Callable[[], None] | None = None
+) -> None:
     """Have ``write`` fill a temporary file next to ``path``, fsync it, rename it over ``path``.
 
     A crash at any moment leaves either the previous file or the new one, never a torn one.
+    ``before_replace`` runs between the two (a save waits there for the others' ``open``).
     """
     folder, name = os.path.split(os.path.abspath(path))
     if not os.path.isdir(folder):
@@ -113,6 +116,8 @@ def atomic_write(path: str, write: Callable[[BinaryIO], None]) -> None:
             write(file)
             file.flush()
             os.fsync(file.fileno())
+        if before_replace is not None:
+            before_replace()
         os.replace(temporary, path)
     except BaseException:
         with contextlib.suppress(OSError):

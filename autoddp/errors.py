@@ -36,6 +36,11 @@ def _rebuild_worker_error(message: str, rank: int, exitcode: int | None, signal:
     return WorkerError(message, rank=rank, exitcode=exitcode, signal=signal)
 
 
+class UnevenBatchesError(AutoDDPError, RuntimeError):
+    """Ranks drew different numbers of batches from a DataLoader: the one that ran out first left
+    the others waiting in a collective (raised in the caller; the original error is its cause)."""
+
+
 class RemoteError(AutoDDPError):
     """A worker raised an exception that could not be re-created in the caller as itself.
 

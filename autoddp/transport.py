@@ -109,6 +109,35 @@ class _PickleModule:
     Pickler = _Pickler
 
 
+class _ResultPickler(_Pickler):
+    """For what a worker sends back: classes of ``__main__`` that this process's ``__main__``
+    holds go by reference. Under fork that ``__main__`` is the caller's own, so the caller gets
+    instances of its own classes (by value they would be copies: ``isinstance`` false, not
+    picklable there); in a fresh interpreter they are not there and go by value, as sent."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, type) and _in_main(obj):
+            return NotImplemented  # pickle's own: by reference
+        return super().reducer_override(obj)
+
+
+class _ResultPickleModule:
+    Pickler = _ResultPickler
+
+
+def _in_main(cls: type) -> bool:
+    """True for a class defined in ``__main__`` that ``__main__`` still holds under its name."""
+    return cls.__module__ == "__main__" and _from_main(cls.__qualname__) is cls
+
+
+def _from_main(qualname: str) -> Any:
+    """What this process's ``__main__`` holds under ``qualname`` (``Outer.Inner``), or None."""
+    found: Any = sys.modules.get("__main__")
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    return found
+
+
 def dumps(obj: Any) -> bytes:
     """Pickle ``obj``, sending functions and classes that cannot be imported by value."""
     buffer = io.BytesIO()
@@ -116,9 +145,9 @@ def dumps(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _torch_dump(obj: Any, file: BinaryIO) -> None:
+def _torch_dump(obj: Any, file: BinaryIO, pickle_module: type = _PickleModule) -> None:
     """``obj`` in torch's format (tensors as raw storage), pickled with autoddp's pickler."""
-    torch.save(obj, file, pickle_module=_PickleModule, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    torch.save(obj, file, pickle_module=pickle_module, pickle_protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _torch_load(file: str | BinaryIO) -> Any:
@@ -172,7 +201,8 @@ def load_job(folder: str) -> Any:
 def save_result(folder: str, value: Any, fn_name: str) -> None:
     """Write rank 0's (already portable) return value for the caller."""
     try:
-        write_private(os.path.join(folder, _RESULT), lambda file: _torch_dump(value, file))
+        path = os.path.join(folder, _RESULT)
+        write_private(path, lambda file: _torch_dump(value, file, _ResultPickleModule))
     except Exception as exc:
         raise SerializationError(
             f"the return value of {fn_name}() ({type(value).__name__}) cannot be sent back to the "
@@ -261,9 +291,7 @@ def _as_callers_class(exc: BaseException) -> BaseException:
     cls = type(exc)
     if cls.__module__ != "__main__":
         return exc
-    theirs = sys.modules.get("__main__")
-    for part in cls.__qualname__.split("."):
-        theirs = getattr(theirs, part, None)
+    theirs = _from_main(cls.__qualname__)
     if theirs is cls or not isinstance(theirs, type) or not issubclass(theirs, BaseException):
         return exc
     if theirs.__name__ != cls.__name__:

@@ -124,3 +124,26 @@ def test_atexit_hooks_run_before_a_fast_exit():
     result = run_python(["-c", code])
     assert result.returncode == 0, result.stderr
     assert result.stdout == "hook ran\n"
+
+
+def test_collectives_issued_counts_the_default_groups_collectives_alike_on_every_rank():
+    @autoddp.distributed(nproc=2)
+    def count():
+        before = _compat.collectives_issued()
+        if dist.get_rank() == 0:
+            _compat.default_store().set("compat/count", "1")  # store traffic is not a collective
+        dist.all_reduce(torch.ones(1))
+        dist.barrier()
+        counts = [None, None]
+        dist.all_gather_object(counts, (before, _compat.collectives_issued()))
+        return counts
+
+    (before0, after0), (before1, after1) = count()
+    assert before0 == before1 and after0 == after1 and after0 - before0 == 2
+
+
+def test_batches_drawn_is_the_count_a_loaders_iterator_has_yielded_this_pass():
+    iterator = iter(DataLoader(list(range(10)), batch_size=2))
+    assert _compat.batches_drawn(iterator) == 0
+    next(iterator), next(iterator)
+    assert _compat.batches_drawn(iterator) == 2

@@ -40,7 +40,8 @@ from autoddp.capture import loaders, optimizers
 from autoddp.capture._notice import Notice, where
 from autoddp.capture._registry import DEPTH, Registry, user_site
 from autoddp.capture._undistributed import Undistributed, caller_site, candidate_roots
-from autoddp.capture.saves import Saves
+from autoddp.capture.passes import Passes
+from autoddp.capture.saves import Saves, opened_path
 from autoddp.errors import ConfigurationError
 from autoddp.models import optimizers as model_optimizers
 from autoddp.state import CURRENT, RunOptions, World
@@ -78,6 +79,7 @@ class Session:
         self.undistributed = Undistributed(known.world_size if known is not None else 0)
         if planned is not None:
             self.notice = Notice(planned.rank, planned.world_size)
+        self.passes = Passes()  # batches per pass of IterableDataset loaders: who ran out first
         if world is not None:
             self.world()
 
@@ -101,6 +103,9 @@ class Session:
                 self._patch(owner, "init_process_group", self._init_process_group)
 
     def uninstall(self) -> None:
+        if self.saves is not None:
+            self.saves.finish()  # rank 0's code has ended: no rank waits for its saves any more
+        self.passes.write()
         for owner, name, original in reversed(self._patches):
             setattr(owner, name, original)
         self._patches = []
@@ -134,7 +139,9 @@ class Session:
         if self.notice is None:
             self.notice = Notice(self._world.rank, self._world.world_size)
         if self.saves is None:
-            self.saves = Saves(self._world.rank)
+            self.saves = Saves(
+                self._world.rank, self._world.local_rank, self._world.world_size, self._world.local_world_size
+            )
         return self._world
 
     # --- the hooks ----------------------------------------------------------------------------
@@ -211,7 +218,7 @@ class Session:
         def __iter__(loader: DataLoader) -> Any:
             if not self.busy:
                 self._begin_pass(loader, loader.__dict__.get(_SITE) or user_site(sys._getframe(1)))
-            return original(loader)
+            return self.passes.watch(loader, original)
 
         return __iter__
 
@@ -297,14 +304,15 @@ class Session:
 
     def _save(self, original: Any) -> Any:
         def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.busy or not isinstance(f, (str, os.PathLike)):
+            path = f if isinstance(f, (str, os.PathLike)) else opened_path(f)  # open(path, "wb") too
+            if self.busy or path is None:
                 return original(obj, f, *args, **kwargs)
             with self._own_work():
                 self.world()
                 assert self.saves is not None and self.notice is not None
                 obj = model_optimizers.full_tensors(obj)  # sharded (FSDP) state: gathered whole
-                what = self.saves.save(original, obj, f, args, kwargs)
-            path = os.fspath(f)
+                what = self.saves.save(original, obj, path, args, kwargs, opened=None if path is f else f)
+            path = os.fspath(path)
             self.notice.say(("save", os.path.abspath(path)), f"torch.save({path!r}): {what}")
             return None
 

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from autoddp import _compat, transport
-from autoddp.errors import WorkerError
+from autoddp.errors import UnevenBatchesError, WorkerError
 
 
 def _exit_codes(context: Any) -> dict[int, int | None]:
@@ -52,7 +52,21 @@ def first_failure(context: Any, result: Any, folder: str, world_size: int) -> Ba
     report = reports.get(lead_rank)
     if report is not None and report.is_timeout and hasattr(lead, "add_note"):
         _explain_timeout(lead, folder, codes, reports)
+    if report is not None and (report.is_consequence or report.is_timeout):
+        return _uneven_batches(lead, folder, world_size)
     return lead
+
+
+def _uneven_batches(lead: BaseException, folder: str, world_size: int) -> BaseException:
+    """``lead``, or the error naming the rank that ran out of batches first where one did."""
+    from autoddp.capture import passes
+
+    sentence = passes.uneven(folder, world_size)
+    if sentence is None:
+        return lead
+    error = UnevenBatchesError(sentence)
+    error.__cause__ = lead
+    return error
 
 
 def _explain_timeout(lead: BaseException, folder: str, codes: dict[int, int | None], reports: dict) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import copyreg
 import functools
 import threading
 import types
@@ -95,6 +96,9 @@ def _no_sync(self: torch.nn.Module) -> contextlib.AbstractContextManager:
 
 
 def _reduce_ex(self: torch.nn.Module, protocol: int) -> tuple:
+    """Pickle as the plain class: rebuilt by the standard library's ``copyreg._reconstructor``
+    (``object.__new__(cls)``, then the class's own ``__setstate__``), so the pickle names nothing
+    of autoddp and loads with plain torch where autoddp is not installed; ``copy.deepcopy`` too."""
     plain = type(self)._autoddp_plain_class
     getstate = getattr(plain, "__getstate__", None)
     state = getstate(self) if getstate is not None and getstate is not object.__getstate__ else None
@@ -102,11 +106,7 @@ def _reduce_ex(self: torch.nn.Module, protocol: int) -> tuple:
         state = self.__dict__
     if isinstance(state, dict):
         state = {key: value for key, value in state.items() if key not in _PRIVATE}
-    return (_new_plain, (plain,), state)
-
-
-def _new_plain(cls: type) -> Any:
-    return cls.__new__(cls)
+    return (copyreg._reconstructor, (plain, object, None), state)
 
 
 def _watched(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
