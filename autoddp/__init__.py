@@ -12,6 +12,7 @@ from autoddp.errors import (
     Rank0Error,
     RemoteError,
     SerializationError,
+    UnevenBatchesError,
     WorkerError,
 )
 from autoddp.gather import gather
@@ -29,6 +30,7 @@ __all__ = [
     "Rank0Error",
     "RemoteError",
     "SerializationError",
+    "UnevenBatchesError",
     "WorkerError",
     "barrier",
     "device",

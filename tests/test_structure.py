@@ -102,6 +102,7 @@ def test_the_public_api_is_the_documented_one():
         "Rank0Error",
         "RemoteError",
         "SerializationError",
+        "UnevenBatchesError",
         "WorkerError",
         "barrier",
         "device",
