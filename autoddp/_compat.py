@@ -68,6 +68,17 @@ def loader_iterator(loader: torch.utils.data.DataLoader) -> Any:
     return _need(loader, "_iterator", "to tell whether a DataLoader's persistent workers started")
 
 
+def version(tensor: torch.Tensor) -> int:
+    """A tensor's version counter: it moves with every in-place change (a gradient accumulating)."""
+    return int(_need(tensor, "_version", "to tell whether a backward changed a gradient"))
+
+
+def set_iterator_order(iterator: Any, index_sampler: Any) -> None:
+    """Have a DataLoader's kept iterator (persistent workers) draw its next pass from ``index_sampler``."""
+    _need(iterator, "_index_sampler", "to give a persistent-workers DataLoader the order of its next pass")
+    iterator._index_sampler = index_sampler
+
+
 def compiled_parts(model: Any) -> tuple[torch.nn.Module, Any] | None:
     """(module, compile context) inside a ``torch.compile`` result; None for anything else.
 

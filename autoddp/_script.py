@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from autoddp import _compat, _worker, capture, environment, hardware, process_group, transport
+from autoddp import _compat, _finished, _worker, capture, environment, hardware, process_group, transport
 from autoddp.hang import marks
 from autoddp.state import RunOptions, World
 
@@ -146,6 +146,8 @@ def main(leave_groups_at_exit: bool = True) -> None:
         exc.__traceback__ = _user_frames(exc.__traceback__)
         sys.excepthook(type(exc), exc, exc.__traceback__)
         sys.exit(1)
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        _finished.mark_finished(int(os.environ.get("RANK", "0")))  # (peers still waiting are told why)
     _ended(well=True)
 
 

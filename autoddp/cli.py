@@ -383,6 +383,9 @@ def _launch(
         return 1
     except Exception as error:  # a worker failed: it printed its own traceback
         click.echo(f"autoddp: {launch_output.one_line(error)} (its traceback is above)", err=True)
+        for note in getattr(error, "__notes__", ()):  # what autoddp found out about it
+            if note.startswith("autoddp:"):
+                click.echo(note, err=True)
         return 1
     return 0
 

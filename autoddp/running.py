@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from autoddp import _containers, models, process_group, streams
+from autoddp import _containers, _finished, models, process_group, streams
 from autoddp.hang import marks
 from autoddp.models import optimizers as model_optimizers
 from autoddp.preparation import prepare
@@ -59,6 +59,8 @@ def run_in_world(job: Job, world: World, finish: Callable[[Any], Any]) -> Any:
                 with _capturing(job.options, CURRENT.world or world):
                     result = job.fn(*args, **kwargs)
                 del args, kwargs
+            if world.world_size > 1:
+                _finished.mark_finished(world.rank)  # (peers still in a collective are told why)
             return finish(result)
         finally:
             CURRENT.function = previous

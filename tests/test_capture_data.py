@@ -55,6 +55,8 @@ STEPS = 2500  # 10,000 items per rank: the order is drawn in several parts
 @autoddp.distributed(nproc=2)
 def _huge_sampler():
     torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)  # a model in training
+    torch.optim.SGD(model.parameters(), lr=0.1)
     data = Indices(10)
     loader = DataLoader(data, batch_size=4, sampler=RandomSampler(data, replacement=True, num_samples=HUGE))
     length = len(loader)
@@ -95,6 +97,8 @@ class Forever(Sampler):
 
 @autoddp.distributed(nproc=2)
 def _endless_sampler():
+    model = torch.nn.Linear(1, 1)  # a model in training
+    torch.optim.SGD(model.parameters(), lr=0.1)
     loader = DataLoader(Indices(10), batch_size=3, sampler=Forever(10))
     seen = []
     for step, batch in enumerate(loader):
@@ -123,6 +127,8 @@ ENDLESS_SCRIPT = """
     from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
     torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)  # a model in training
+    torch.optim.SGD(model.parameters(), lr=0.1)
     data = TensorDataset(torch.arange(10))
     iterations = RandomSampler(data, replacement=True, num_samples=int(1e10))
     loader = DataLoader(data, batch_size=2, sampler=iterations)
@@ -185,6 +191,9 @@ class Augmented(Indices):
 def _own_sampler():
     import numpy
 
+    model = torch.nn.Linear(1, 1)  # a model in training
+    torch.optim.SGD(model.parameters(), lr=0.1)
+
     random.seed(autoddp.rank())  # the ranks' own streams differ: the order must not
     numpy.random.seed(autoddp.rank())
     data = Augmented(40)
@@ -219,6 +228,8 @@ def test_a_sampler_shuffling_with_random_and_numpy_is_split_disjointly():
 
 def _new_loader_every_epoch():
     torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)  # a model in training
+    torch.optim.SGD(model.parameters(), lr=0.1)
     data = Indices(16)
     reused = torch.Generator().manual_seed(5)
     epochs = {"global": [], "fresh": [], "reused": []}
@@ -252,6 +263,8 @@ NEW_LOADER_SCRIPT = """
     from torch.utils.data import DataLoader, TensorDataset
 
     torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)  # a model in training
+    torch.optim.SGD(model.parameters(), lr=0.1)
     data = TensorDataset(torch.arange(16))
     seen = []
     for epoch in range(3):
@@ -363,6 +376,8 @@ SITES_SCRIPT = """
             super().__init__(dataset, batch_size=size, shuffle=True)
 
 
+    model = torch.nn.Linear(1, 1)  # a model in training
+    torch.optim.SGD(model.parameters(), lr=0.1)
     data = TensorDataset(torch.arange(16))
     train = DataLoader(data, batch_size=4, shuffle=True)  # made here
     own = Sized(data, 4)  # made here

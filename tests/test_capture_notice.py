@@ -168,7 +168,7 @@ def test_training_that_nothing_distributes_is_named_in_the_notice(tmp_path):
     batches = run_python(["-m", "autoddp.cli", "-n", "2", str(write(tmp_path / "manual.py", MANUAL_BATCHES))])
     assert batches.returncode == 0, batches.stderr
     assert (
-        "autoddp:   not distributed: no shuffled DataLoader was iterated before the first optimizer step "
+        "autoddp:   not distributed: no pass over a shuffled DataLoader ran before the first optimizer step "
         "(manual.py:11), so unless the code gives each process its own data, every process trains on the "
         "same batches, 2 times the work" in batches.stderr
     )
@@ -241,4 +241,192 @@ def test_a_function_under_the_decorator_is_told_the_same(capfd):
         return json.dumps(1)
 
     assert train() == "1"
-    assert "not distributed: no shuffled DataLoader was iterated" in capfd.readouterr().err
+    assert "not distributed: no pass over a shuffled DataLoader ran" in capfd.readouterr().err
+
+
+BEFORE_TRAINING = """
+    import json, os, sys
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 4) + 3
+    y = (x.sum(1) > 12).long()
+    data = TensorDataset(x, y)
+    train = DataLoader(data, batch_size=int(sys.argv[1]), shuffle=True, num_workers=int(sys.argv[2]),
+                       persistent_workers=int(sys.argv[2]) > 0)
+    total = 0
+    for xb, _ in train:  # the data's statistics, before any model exists
+        total = total + xb.sum(0)
+    mean = total / len(data)
+    model = nn.Sequential(nn.Linear(4, 2))
+    model.eval()
+    zero_shot = sum((model(xb - mean).argmax(1) == yb).sum().item() for xb, yb in train) / len(data)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.train()
+    seen = []
+    for epoch in range(2):
+        for xb, yb in train:
+            seen.append(len(xb))
+            loss = nn.functional.cross_entropy(model(xb - mean), yb)
+            opt.zero_grad(); loss.backward(); opt.step()
+    with torch.no_grad():
+        val = sum(nn.functional.cross_entropy(model(xb - mean), yb).item() for xb, yb in train)
+    per_batch = val / len(train)  # the mean over the pass just made: its own number of batches
+    w = [p.detach().flatten().tolist() for p in model.parameters()]
+    rank = os.environ.get("RANK", "0")
+    with open(sys.argv[3] + "." + rank, "w") as f:
+        json.dump({"mean": mean.tolist(), "zero_shot": zero_shot, "seen": seen, "w": w,
+                   "batches": len(train), "per_batch": per_batch}, f)
+"""
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_passes_before_the_optimizer_see_all_the_data_and_training_is_still_sharded(tmp_path, workers):
+    script = write(tmp_path / "stats.py", BEFORE_TRAINING)
+    one = run_python([str(script), "64", str(workers), str(tmp_path / "one")])
+    assert one.returncode == 0, one.stderr
+    two = run_python(["-m", "autoddp.cli", "-n", "2", str(script), "32", str(workers), str(tmp_path / "two")])
+    assert two.returncode == 0, two.stderr
+    single = json.loads((tmp_path / "one.0").read_text())
+    ranks = [json.loads((tmp_path / f"two.{r}").read_text()) for r in (0, 1)]
+    for rank in ranks:
+        torch.testing.assert_close(torch.tensor(rank["mean"]), torch.tensor(single["mean"]))
+        assert rank["zero_shot"] == pytest.approx(single["zero_shot"])
+        assert rank["seen"] == [32, 32]  # training: this rank's half, with persistent workers too
+        assert rank["batches"] == 2 and rank["per_batch"] == pytest.approx(single["per_batch"], rel=1e-5)
+        for got, want in zip(rank["w"], single["w"], strict=True):  # full-batch steps
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-5)
+    assert "first iterated outside training (no gradients, no model trained yet" in two.stderr
+    assert "UserWarning" not in two.stderr
+
+
+LOOSE_TENSORS = """
+    import torch
+    from torch.utils.data import DataLoader
+
+    w = torch.zeros(4, 1, requires_grad=True)
+    data = torch.randn(16, 4)
+    for x in DataLoader(data, batch_size=4, shuffle=True):  # iterated once, for a look
+        pass
+    for start in range(0, 16, 4):
+        loss = (data[start : start + 4] @ w - 1).pow(2).mean()
+        loss.backward()
+        with torch.no_grad():
+            w -= 0.1 * w.grad
+            w.grad = None
+"""
+
+
+def test_gradients_for_tensors_no_model_holds_are_named(tmp_path):
+    result = run_python(["-m", "autoddp.cli", "-n", "2", str(write(tmp_path / "loose.py", LOOSE_TENSORS))])
+    assert result.returncode == 0, result.stderr
+    assert (
+        "autoddp:   not distributed: the backward at loose.py:11 computed gradients, but no model is "
+        "distributed" in result.stderr
+    )
+
+
+MANUAL_AFTER_A_LOOK = """
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    data = torch.randn(8, 2)
+    for x in DataLoader(data, batch_size=4, shuffle=True):  # a look at the data first
+        print(x.mean().item())
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for start in range(0, 8, 2):
+        opt.zero_grad()
+        model(data[start : start + 2]).sum().backward()
+        opt.step()
+"""
+
+ODD = """
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x in DataLoader(torch.randn(7, 2), batch_size=7, shuffle=True):
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+"""
+
+
+def test_manual_batches_after_a_look_at_a_loader_and_padding_are_said(tmp_path):
+    look = run_python(["-m", "autoddp.cli", "-n", "2", str(write(tmp_path / "look.py", MANUAL_AFTER_A_LOOK))])
+    assert look.returncode == 0, look.stderr
+    assert "not distributed: no pass over a shuffled DataLoader ran before the first optimizer step" in (
+        look.stderr
+    )
+    odd = run_python(["-m", "autoddp.cli", "-n", "2", str(write(tmp_path / "odd.py", ODD))])
+    assert odd.returncode == 0, odd.stderr
+    assert (
+        "sharded, each process takes 1/2 of every epoch (1 of its 7 items repeated so that every process "
+        "gets 4, as DistributedSampler pads: a full-batch step counts them twice)" in odd.stderr
+    )
+
+
+EARLY_STOP = """
+    import os, torch
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, x in enumerate(DataLoader(torch.randn(64, 2), batch_size=4, shuffle=True)):
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+        if os.environ["RANK"] == "1" and step == 2:  # its own loss looked good enough
+            break
+"""
+
+
+def test_a_rank_that_stops_early_is_named_as_the_cause(tmp_path):
+    result = run_python(["-m", "autoddp.cli", "-n", "2", str(write(tmp_path / "early.py", EARLY_STOP))])
+    assert result.returncode == 1
+    assert (
+        "autoddp: rank 1 had already ended well (its code ran to the end) while rank 0 still waited for it "
+        "in a collective" in result.stderr
+    )
+
+
+STALE_GRADIENTS = """
+    import torch
+    from torch import nn
+    import autoddp
+
+    class Net(nn.Module):
+        def __init__(s):  # (not called self)
+            super().__init__()
+            s.fc = nn.Linear(2, 1)
+
+        def forward(s, x):
+            return s.fc(x)
+
+    def train():
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt.zero_grad()
+        model(torch.randn(4, 2)).sum().backward()
+        opt.step()
+        return model
+
+    first = train()  # once in the caller: its gradients stay
+    second = autoddp.distributed(nproc=2)(train)()
+    print(type(second) is Net)
+"""
+
+
+def test_a_model_with_old_gradients_is_not_named_and_sites_skip_its_init(tmp_path):
+    result = run_python([str(write(tmp_path / "stale.py", STALE_GRADIENTS))], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True"
+    assert "got gradients" not in result.stderr and "no model is distributed" not in result.stderr
+    assert "Net (stale.py:15): DDP across 2 processes" in result.stderr

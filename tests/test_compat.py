@@ -147,3 +147,23 @@ def test_batches_drawn_is_the_count_a_loaders_iterator_has_yielded_this_pass():
     assert _compat.batches_drawn(iterator) == 0
     next(iterator), next(iterator)
     assert _compat.batches_drawn(iterator) == 2
+
+
+def test_version_moves_when_a_gradient_accumulates_in_place():
+    grad = torch.zeros(3)
+    before = _compat.version(grad)
+    grad.add_(1.0)
+    assert _compat.version(grad) == before + 1
+
+
+def test_a_persistent_iterator_takes_the_order_of_its_next_pass():
+    data = list(range(6))
+    loader = torch.utils.data.DataLoader(data, batch_size=3, num_workers=1, persistent_workers=True)
+    assert [b.tolist() for b in loader] == [[0, 1, 2], [3, 4, 5]]
+    iterator = _compat.loader_iterator(loader)
+    reversed_order = torch.utils.data.BatchSampler([5, 4, 3, 2, 1, 0], 3, False)
+    object.__setattr__(loader, "batch_sampler", reversed_order)
+    _compat.set_iterator_order(iterator, reversed_order)
+    assert [b.tolist() for b in loader] == [[5, 4, 3], [2, 1, 0]]
+    assert _compat.loader_iterator(loader) is iterator  # the same workers, the new order
+    del loader, iterator

@@ -60,7 +60,9 @@ def test_the_length_of_a_shuffled_loader_is_this_ranks_share_before_its_first_pa
     @autoddp.distributed(nproc=2)
     def train():
         loader = DataLoader(torch.arange(32.0), batch_size=2, shuffle=True)
-        before = len(loader)  # as a scheduler's steps_per_epoch reads it
+        before = len(loader)  # as a scheduler's steps_per_epoch reads it, before the model is made
+        model = nn.Linear(1, 1)  # training from here
+        torch.optim.SGD(model.parameters(), lr=0.1)
         return before, sum(1 for _ in loader)
 
     assert train() == (8, 8)

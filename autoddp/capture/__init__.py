@@ -39,7 +39,7 @@ from autoddp import _compat, _warn, models
 from autoddp.capture import loaders, optimizers
 from autoddp.capture._notice import Notice, where
 from autoddp.capture._registry import DEPTH, Registry, user_site
-from autoddp.capture._undistributed import Undistributed, caller_site, candidate_roots
+from autoddp.capture._undistributed import Undistributed, caller_site, candidate_roots, grad_versions
 from autoddp.capture.passes import Passes
 from autoddp.capture.saves import Saves, opened_path
 from autoddp.errors import ConfigurationError
@@ -73,6 +73,7 @@ class Session:
         self._handles: list[Any] = []
         self._constructing: set[int] = set()  # optimizers in __init__ (its add_param_group calls)
         self._loaders = 0
+        self.optimizers_made = 0  # by the user's code, in this session
         self.notice: Notice | None = None
         self.saves: Saves | None = None
         known = world or planned
@@ -151,6 +152,7 @@ class Session:
             if self.busy:
                 original(optimizer, params, *args, **kwargs)
                 return
+            self.optimizers_made += 1
             params = self._distribute_models(params)
             self._constructing.add(id(optimizer))  # its own add_param_group calls: done above
             try:
@@ -216,42 +218,53 @@ class Session:
 
     def _loader_iter(self, original: Any) -> Any:
         def __iter__(loader: DataLoader) -> Any:
-            if not self.busy:
-                self._begin_pass(loader, loader.__dict__.get(_SITE) or user_site(sys._getframe(1)))
-            return self.passes.watch(loader, original)
+            if self.busy:
+                return original(loader)
+            site = loader.__dict__.get(_SITE) or user_site(sys._getframe(1))
+            whole_while_training = self._begin_pass(loader, site)
+            iterator = self.passes.watch(loader, original)
+            # a whole pass while gradients are on may be training: an optimizer step in it is said
+            self.undistributed.begin_pass(site if whole_while_training else None, iterator)
+            return iterator
 
         return __iter__
 
     def _loader_len(self, original: Any) -> Any:
         def __len__(loader: DataLoader) -> int:
-            # len(loader) before the first pass (a scheduler's steps per epoch) is this rank's share
+            # Before the first pass (a scheduler's steps per epoch) as a pass beginning now would be;
+            # after one, the length of the order in place (``total / len(loader)`` after the loop).
             if self.busy:
                 return original(loader)
-            evaluating = loaders.evaluating(CURRENT.wrapped_models())
+            kind = loaders.pass_kind(CURRENT.wrapped_models())
             if not loader.__dict__.get("_autoddp_seen"):
                 loader.__dict__["_autoddp_seen"] = True
-                self._shard(loader, loader.__dict__.get(_SITE) or user_site(sys._getframe(1)), evaluating)
+                self._shard(loader, loader.__dict__.get(_SITE) or user_site(sys._getframe(1)), kind)
             shares = loader.__dict__.get(loaders.Shares.KEY)
-            if shares is None or shares.in_use == ("whole" if evaluating else "shard"):
+            which = shares.counted(kind) if shares is not None else None
+            if shares is None or shares.in_use == which:
                 return original(loader)
-            return shares.length("whole" if evaluating else "shard")
+            return shares.length(which)
 
         return __len__
 
-    def _begin_pass(self, loader: DataLoader, site: tuple[str, int]) -> None:
-        """Before a pass: shard a random loader the first time; give the pass the order it needs."""
-        evaluating = loaders.evaluating(CURRENT.wrapped_models())
+    def _begin_pass(self, loader: DataLoader, site: tuple[str, int]) -> bool:
+        """Before a pass: shard a random loader the first time; give the pass the order it needs.
+
+        True when the pass gets all of a random loader while gradients are on.
+        """
+        kind = loaders.pass_kind(CURRENT.wrapped_models())
         if not loader.__dict__.get("_autoddp_seen"):
             loader.__dict__["_autoddp_seen"] = True
-            self._shard(loader, site, evaluating)
+            self._shard(loader, site, kind)
         shares = loader.__dict__.get(loaders.Shares.KEY)
         if shares is None:
-            return
-        shares.use(loader, "whole" if evaluating else "shard")
-        # a whole pass while gradients are on may be training: an optimizer step in it is said
-        self.undistributed.whole_pass = site if shares.in_use == "whole" and torch.is_grad_enabled() else None
+            return False
+        shares.begin_pass(loader, kind)
+        if shares.in_use == "shard":
+            self.undistributed.data_shared = True
+        return shares.in_use == "whole" and torch.is_grad_enabled()
 
-    def _shard(self, loader: DataLoader, site: tuple[str, int], evaluating: bool = False) -> None:
+    def _shard(self, loader: DataLoader, site: tuple[str, int], first_pass: str = loaders.TRAINING) -> None:
         kind = loaders.kind(loader)
         if kind in ("distributed", "iterable"):
             self.undistributed.data_shared = True  # given out by rank already, or by the dataset
@@ -279,13 +292,12 @@ class Session:
             shard_loader(loader, world, seed=self._shared_seed(seed, world))
             shard = (loader.sampler, loader.batch_sampler)
             loader.__dict__[loaders.Shares.KEY] = loaders.Shares(whole, shard)
-        self.undistributed.data_shared = True
-        share = f"each process takes 1/{world.world_size} of every epoch"
-        if evaluating:
+        share = f"each process takes 1/{world.world_size} of every epoch{loaders.padding(loader)}"
+        if first_pass != loaders.TRAINING:
             line = (
-                f"DataLoader ({where(site)}): shuffled, first iterated for evaluation (no gradients, "
-                f"or every model in eval()): left whole there, every rank sees all of it; a pass "
-                f"while training is sharded, {share}"
+                f"DataLoader ({where(site)}): shuffled, first iterated outside training (no gradients, "
+                f"no model trained yet, or every model in eval()): left whole there, every rank sees "
+                f"all of it; a pass while training is sharded, {share}"
             )
         else:
             line = f"DataLoader ({where(site)}): sharded, {share}; left whole in evaluation passes"
@@ -320,10 +332,17 @@ class Session:
 
     def _backward(self, original: Any) -> Any:
         def backward(*args: Any, **kwargs: Any) -> Any:
+            if self.undistributed.backward_checked or self.busy:
+                return original(*args, **kwargs)
+            # the first backward: with no optimizer made yet, which models does it train by hand?
+            self.undistributed.backward_checked = True
+            if self.optimizers_made:
+                return original(*args, **kwargs)
+            roots = candidate_roots(self.registry, sys._getframe(1), CURRENT.wrapped_models())
+            before = grad_versions(roots)
             result = original(*args, **kwargs)
-            if not self.undistributed.backward_checked and not self.busy:
-                roots = candidate_roots(self.registry, sys._getframe(1), CURRENT.wrapped_models())
-                self.undistributed.after_first_backward(self.notice, roots, user_site(sys._getframe(1)))
+            site, distributed = user_site(sys._getframe(1)), bool(CURRENT.wrapped_models())
+            self.undistributed.after_first_backward(self.notice, roots, before, site, distributed)
             return result
 
         return backward

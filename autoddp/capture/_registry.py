@@ -100,8 +100,7 @@ def user_site(frame: FrameType | None, made: Any = None) -> Site:
     are passed too, so the site is the line that created it (``model = Net()``).
     """
     while frame is not None and (
-        _warn.is_library(frame.f_code.co_filename)
-        or (made is not None and frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is made)
+        _warn.is_library(frame.f_code.co_filename) or (made is not None and _constructing(frame, made))
     ):
         frame = frame.f_back
     return (frame.f_code.co_filename, frame.f_lineno) if frame is not None else ("<unknown>", 0)
@@ -114,6 +113,14 @@ PER_CONTAINER = 256
 BUDGET = 20_000
 #: Values never walked into: they hold no model the user reaches through them.
 _LEAVES = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, str, bytes, torch.Tensor)
+
+
+def _constructing(frame: FrameType, made: Any) -> bool:
+    """True for a frame of ``made``'s own ``__init__`` (its first argument, ``self`` or not, is it)."""
+    code = frame.f_code
+    if code.co_name != "__init__" or not code.co_argcount:
+        return False
+    return frame.f_locals.get(code.co_varnames[0]) is made
 
 
 def frame_candidates(frame: FrameType | None) -> Iterator[torch.nn.Module]:

@@ -1,14 +1,17 @@
 """What capture could not distribute, said once each: training that would run as N identical copies.
 
 Three situations make every process repeat one process's work (or train on data autoddp did not
-split) with nothing to capture, so capture says so, on rank 0, in the notice:
+split) with nothing to capture, so capture says so, on rank 0, in the notice, or at the user's line:
 
-- the first ``backward()`` computed gradients for a model no optimizer was made over (manual SGD
-  on ``p.data``): nothing wrapped it, so every process trains its own copy on the same data;
-- the first ``optimizer.step()`` came with no shuffled DataLoader iterated (manual batching, an
-  in-order training loader): every process trains on the same batches;
+- the first ``backward()``, with no optimizer made, computed gradients for a model (manual SGD on
+  ``p.data``) or for tensors no model holds: nothing wrapped them, so every process trains its
+  own copy;
+- the first ``optimizer.step()`` came before any pass over a sharded loader (manual batching, an
+  in-order training loader, a shuffled one only iterated for its statistics): every process
+  trains on the same batches;
 - an optimizer steps while a shuffled loader runs a pass that autoddp gave every rank in full (it
-  began in an evaluation context: every model in ``eval()`` mode), so that pass is not split.
+  began outside training: every model in ``eval()`` mode, or no optimizer made yet), so that pass
+  is not split.
 
 Each check is a flag test per ``backward()`` or ``step()`` once it has spoken.
 """
@@ -16,12 +19,13 @@ Each check is a flag test per ``backward()`` or ``step()`` once it has spoken.
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from autoddp import _warn, models
+from autoddp import _compat, _warn, models
 from autoddp.capture._notice import Notice, where
 from autoddp.capture._registry import Site, frame_candidates, user_site
 
@@ -35,26 +39,55 @@ class Undistributed:
         self.world_size = world_size
         self.backward_checked = False
         self.step_checked = False
-        #: A DataLoader's site, or the kind of loader, whose data is given out by rank (or its own).
+        #: A pass over a sharded loader has run (or the data is given out by rank some other way).
         self.data_shared = False
         #: Sites of loaders left whole because they are in order (``shuffle=False``).
         self.ordered: list[Site] = []
-        #: The site of a shuffled loader whose current pass is whole although gradients are on.
-        self.whole_pass: Site | None = None
+        #: A shuffled loader's site and iterator, while its pass is whole although gradients are on.
+        self.whole_pass: tuple[Site, Any] | None = None
         self._warned_whole = False
 
-    def after_first_backward(self, notice: Notice | None, roots: Roots, site: Site) -> None:
-        """Name each model that got gradients but is not distributed (``roots``: candidates)."""
-        self.backward_checked = True
+    def begin_pass(self, whole_site: Site | None, iterator: object) -> None:
+        """A pass over a loader began: whole while gradients are on (at ``whole_site``), or not."""
+        if whole_site is None:
+            self.whole_pass = None
+            return
+        try:
+            self.whole_pass = (whole_site, weakref.ref(iterator))
+        except TypeError:  # an iterator that takes no weak reference: held until the next pass
+            self.whole_pass = (whole_site, lambda: iterator)
+
+    def _in_whole_pass(self) -> Site | None:
+        """The site of the whole pass still running (its iterator alive and not exhausted)."""
+        if self.whole_pass is None:
+            return None
+        site, ref = self.whole_pass
+        iterator = ref()
+        try:
+            running = iterator is not None and _compat.batches_drawn(iterator) < len(iterator)
+        except Exception:  # not one of torch's DataLoader iterators: it may still run
+            running = iterator is not None
+        return site if running else None
+
+    def after_first_backward(
+        self, notice: Notice | None, roots: Roots, before: dict[int, object], site: Site, distributed: bool
+    ) -> None:
+        """Name each model the first backward gave gradients that nothing distributes; with none
+        such and no model distributed (``distributed``), say the gradients went to loose tensors.
+
+        ``roots``: the candidates; ``before``: their gradients as they were before that backward.
+        """
         if notice is None:
             return
+        named = False
         seen: set[int] = set()
         for root, made in roots:
             if id(root) in seen or models.distributed(root):
                 continue
             seen.add(id(root))
-            if not any(p.grad is not None for p in root.parameters()):
-                continue
+            if all(_grad_state(p) == before.get(id(p)) for p in root.parameters()):
+                continue  # (no gradient, or one left from before this backward: not trained here)
+            named = True
             name = type(models.unwrap(root)).__name__
             notice.say(
                 ("no optimizer", id(root)),
@@ -66,6 +99,16 @@ class Undistributed:
                 "autoddp.prepare(model)",
                 captured=True,
             )
+        if not named and not distributed:
+            notice.say(
+                ("no model",),
+                f"not distributed: the backward at {where(site)} computed gradients, but no model is "
+                "distributed (no optimizer was made over a module's parameters, none was passed to "
+                "autoddp.prepare): if the code updates tensors by hand, every process trains its own "
+                f"copy, {self.world_size} times the work for one process's result. Keep the "
+                "parameters in an nn.Module and make a torch.optim optimizer over them",
+                captured=True,
+            )
 
     @property
     def at_step(self) -> bool:
@@ -74,13 +117,15 @@ class Undistributed:
 
     def before_step(self, notice: Notice | None, site: Site) -> None:
         """At an optimizer step: the first one checks the data; any one checks a whole pass."""
-        if self.whole_pass is not None and not self._warned_whole:
+        whole = self._in_whole_pass() if not self._warned_whole else None
+        if whole is not None:
             self._warned_whole = True
             _warn.warn(
-                f"an optimizer steps while the shuffled DataLoader at {where(self.whole_pass)} runs a "
-                "pass that every process gets in full: autoddp took that pass for evaluation (every "
-                "model was in eval() mode when it began), so it is not split between the processes. "
-                "If this is your training loop, call model.train() before iterating the loader"
+                f"an optimizer steps while the shuffled DataLoader at {where(whole)} runs a pass that "
+                "every process gets in full: autoddp took that pass for evaluation (when it began, "
+                "every model was in eval() mode, or no optimizer had been made yet), so it is not "
+                "split between the processes. If this is your training loop, make the optimizer and "
+                "call model.train() before iterating the loader"
             )
         if self.step_checked:
             return
@@ -95,13 +140,24 @@ class Undistributed:
             )
         notice.say(
             ("no sharded data",),
-            f"not distributed: no shuffled DataLoader was iterated before the first optimizer step "
+            f"not distributed: no pass over a shuffled DataLoader ran before the first optimizer step "
             f"({where(site)}){ordered}, so unless the code gives each process its own data, every "
             f"process trains on the same batches, {self.world_size} times the work for one process's "
             "result. Use a DataLoader with shuffle=True (autoddp shards it), or split the data with "
             "autoddp.rank() and autoddp.world_size()",
             captured=True,
         )
+
+
+def _grad_state(param: torch.Tensor) -> object:
+    """What a backward changes about ``param``'s gradient: the tensor, and its in-place version."""
+    grad = param.grad
+    return None if grad is None else (id(grad), _compat.version(grad))
+
+
+def grad_versions(roots: Roots) -> dict[int, object]:
+    """Each candidate parameter's gradient as it is now, to see which ones a backward changes."""
+    return {id(p): _grad_state(p) for root, _ in roots for p in root.parameters()}
 
 
 def candidate_roots(

@@ -43,23 +43,48 @@ REASONS = {
 }
 
 
-def evaluating(models: list[torch.nn.Module]) -> bool:
-    """True when a pass beginning now is evaluation: gradients off, or every captured model in eval().
+def padding(loader: DataLoader) -> str:
+    """For the notice: how many samples a sharded ``loader`` repeats so every rank gets as many."""
+    sampler = distributed_sampler(loader)
+    try:
+        repeated = sampler.total_size - len(sampler.dataset) if sampler is not None else 0
+    except TypeError:  # a sampler with no length: nothing is padded
+        return ""
+    if repeated <= 0:
+        return ""
+    return (
+        f" ({repeated} of its {len(sampler.dataset)} items repeated so that every process gets "
+        f"{sampler.num_samples}, as DistributedSampler pads: a full-batch step counts them twice)"
+    )
 
-    ``models``: the models distributed in this world (with none yet, only the gradient mode counts).
-    """
+
+#: What a pass beginning now is, for a random loader: it gets all of it, except in training.
+TRAINING, EVALUATING, UNTRAINED = "training", "evaluating", "untrained"
+
+
+def pass_kind(models: list[torch.nn.Module]) -> str:
+    """``EVALUATING`` with gradients off or every distributed model in ``eval()``; ``UNTRAINED``
+    while no model is distributed (no optimizer over one yet: the data's statistics, a zero-shot
+    evaluation); ``TRAINING`` otherwise. ``models``: the models distributed in this world."""
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
-        return True
-    return bool(models) and not any(model.training for model in models)
+        return EVALUATING
+    if not models:
+        return UNTRAINED
+    return TRAINING if any(model.training for model in models) else EVALUATING
 
 
 class Shares:
-    """A random loader's two orders: all of it (evaluation passes) and this rank's share (training).
+    """A random loader's two orders: all of it (passes outside training) and this rank's share.
 
-    Kept in the loader's ``__dict__`` once capture sharded it; ``use`` puts the order a pass needs
-    in place before the pass begins (DataLoader reads its samplers when an iterator is made, so an
-    iterator already running keeps its own). A loader whose persistent workers already hold an
-    iterator keeps the order it has.
+    Kept in the loader's ``__dict__`` once capture sharded it; ``begin_pass`` puts the order a pass
+    needs in place before the pass begins (DataLoader reads its samplers when an iterator is made,
+    so an iterator already running keeps its own; the iterator that persistent workers keep
+    between passes is given the order too, before it resets for the next pass).
+
+    ``len(loader)`` counts the order of the last pass (``total / len(loader)`` after an evaluation
+    divides by all its batches). Before any pass, and after one made before any model trained, it
+    is this rank's share unless asked while evaluating: a scheduler's steps per epoch are read
+    before training begins.
     """
 
     KEY = "_autoddp_shares"
@@ -67,14 +92,31 @@ class Shares:
     def __init__(self, whole: tuple, shard: tuple) -> None:
         self.whole, self.shard = whole, shard
         self.in_use = "shard"
+        self.passes = 0
+        self.last = TRAINING  # the kind of the last pass
 
-    def use(self, loader: DataLoader, which: str) -> None:
-        if which == self.in_use or _compat.loader_iterator(loader) is not None:
+    def begin_pass(self, loader: DataLoader, kind: str) -> None:
+        """Put the order a pass of ``kind`` needs in place: all of it, except in training."""
+        self.passes += 1
+        self.last = kind
+        self._use(loader, "shard" if kind == TRAINING else "whole")
+
+    def counted(self, kind: str) -> str:
+        """The order ``len(loader)`` counts when asked now, in a context of ``kind``."""
+        if self.passes and self.last == EVALUATING:
+            return "whole"
+        return "whole" if kind == EVALUATING and not self.passes else "shard"
+
+    def _use(self, loader: DataLoader, which: str) -> None:
+        if which == self.in_use:
             return
         sampler, batch_sampler = self.whole if which == "whole" else self.shard
-        # DataLoader.__setattr__ refuses these names after __init__; no iterator holds them yet.
+        # DataLoader.__setattr__ refuses these names after __init__; a running iterator keeps its own.
         object.__setattr__(loader, "sampler", sampler)
         object.__setattr__(loader, "batch_sampler", batch_sampler)
+        persistent = _compat.loader_iterator(loader)
+        if persistent is not None:
+            _compat.set_iterator_order(persistent, batch_sampler if batch_sampler is not None else sampler)
         self.in_use = which
 
     def length(self, which: str) -> int:

@@ -7,7 +7,7 @@ import signal
 import time
 from typing import Any
 
-from autoddp import _compat, transport
+from autoddp import _compat, _finished, transport
 from autoddp.errors import UnevenBatchesError, WorkerError
 
 
@@ -53,8 +53,27 @@ def first_failure(context: Any, result: Any, folder: str, world_size: int) -> Ba
     if report is not None and report.is_timeout and hasattr(lead, "add_note"):
         _explain_timeout(lead, folder, codes, reports)
     if report is not None and (report.is_consequence or report.is_timeout):
+        _explain_finished(lead, lead_rank, codes, reports, _finished.finished_ranks(folder))
         return _uneven_batches(lead, folder, world_size)
     return lead
+
+
+def _explain_finished(
+    lead: BaseException, lead_rank: int, codes: dict[int, int | None], reports: dict, said: set[int]
+) -> None:
+    """A rank that ended well while ``lead_rank`` still waited for it: say that this is the cause."""
+    ended = {r for r, code in codes.items() if code == 0} | said
+    finished = sorted(r for r in ended if r not in reports and r != lead_rank)
+    if not finished or not hasattr(lead, "add_note"):
+        return
+    ranks = ", ".join(map(str, finished))
+    lead.add_note(
+        f"autoddp: rank {ranks} had already ended well (its code ran to the end) while rank {lead_rank} "
+        "still waited for it in a collective: a rank that leaves the training loop early (a "
+        "rank-dependent break, early stopping on its own loss, fewer batches than the others) leaves "
+        "the others waiting. Take such decisions on a value every rank shares (reduced with "
+        "dist.all_reduce, or rank 0's broadcast)"
+    )
 
 
 def _uneven_batches(lead: BaseException, folder: str, world_size: int) -> BaseException:

@@ -1,0 +1,33 @@
+"""Which ranks' own code ran to its end, as a marker file per rank in the private run folder.
+
+A rank still waiting in a collective for one that ended (a rank-dependent ``break``) fails with
+gloo's or NCCL's "connection closed"; the launcher (``launch.failures``) reads the markers to say
+that the peer had ended, which is the cause.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from autoddp.transport import write_private
+
+
+def mark_finished(rank: int) -> None:
+    """In a worker an autoddp launcher started: this rank's own code ran to its end.
+
+    A rank still waiting for it in a collective is then told why its peer is gone
+    (``launch.failures``). Where no launcher of autoddp's watches, nothing is written.
+    """
+    folder = os.environ.get("AUTODDP_RUN_FOLDER")
+    if folder:
+        with contextlib.suppress(OSError):
+            write_private(os.path.join(folder, f"finished-{rank}"), b"")
+
+
+def finished_ranks(folder: str) -> set[int]:
+    """The ranks that said ``mark_finished``."""
+    with contextlib.suppress(OSError):
+        names = os.listdir(folder)
+        return {int(n.split("-", 1)[1]) for n in names if n.startswith("finished-") and n[9:].isdigit()}
+    return set()
