@@ -121,8 +121,9 @@ def _watched(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         if _ROUTING.calls == calls and _carries_grad(result):
             _warn.warn(
                 f"{type(self).__name__}.{name}() computed a result with gradients without calling the "
-                f"model itself, so DDP did not see it and will not synchronise those gradients across "
-                f"processes. Call self(...) inside {name}(), or compute through the model's forward."
+                f"model itself, so DDP did not see it: those gradients are averaged across processes "
+                f"only before the step of an optimizer autoddp found (capture), not otherwise. Call "
+                f"self(...) inside {name}(), or compute through the model's forward."
             )
         return result
 
