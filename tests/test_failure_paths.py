@@ -35,13 +35,17 @@ def test_a_failure_with_persistent_loader_workers_is_fast_and_leaves_nothing(tmp
         for epoch in range(3):
             for step, _ in enumerate(loader):
                 if autoddp.rank() == 1 and epoch == 1 and step == 2:
+                    with open(os.path.join(folder, "raised-at"), "w") as handle:
+                        handle.write(repr(time.time()))
                     raise ValueError("bad batch")
                 autoddp.barrier()
 
-    start = time.monotonic()
     with pytest.raises(ValueError, match=r"\[rank 1 of 2\] bad batch"):
         train(str(tmp_path))
-    assert time.monotonic() - start < 2.0 + (2.5 if start_method == "spawn" else 0)  # spawn: 2 imports
+    # From the raise to the caller's exception: no wait for the loader workers' own exit checks
+    # (5 s each) nor for rank 0's collective to time out. (Measured from the raise, not the start,
+    # so that the imports of a loaded machine do not count.)
+    assert time.time() - float((tmp_path / "raised-at").read_text()) < 3.0
     pids = [int(p.name.rsplit("-", 1)[1]) for p in tmp_path.glob("loader-worker-*")]
     assert len(pids) == 4  # two loader workers on each rank
     deadline = time.monotonic() + 1.0
