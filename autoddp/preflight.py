@@ -1,0 +1,145 @@
+"""Checks on the CUDA path before the first NCCL call: a GPU of its own for every rank.
+
+NCCL fails late and opaquely where the launch does not fit the GPUs: two ranks on one GPU
+("Duplicate GPU detected"), a local rank without a GPU of that number ("invalid device
+ordinal"). The decision functions here are fed the facts (GPU counts, the launcher's variables)
+and say which GPU a rank takes, what to tell the user, or raise a ``ConfigurationError`` naming
+the numbers and the fix. ``check`` gathers the facts in a rank, only on the CUDA path, so a
+CPU/gloo run never comes here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping
+
+from autoddp import hardware
+from autoddp.environment import Environment
+from autoddp.environment._base import parse_int
+from autoddp.errors import ConfigurationError
+from autoddp.state import World
+
+#: How each launcher starts N ranks per node ({n}); the one-rank-per-GPU fix names it.
+FIXES = {
+    "AutoDDPWorker": "autoddp -n {n} / @distributed(nproc={n})",
+    "TorchElastic": "torchrun --nproc-per-node={n}",
+    "SlurmStep": "srun --ntasks-per-node={n}, or --gpus-per-task=1 to give each task its own GPU",
+    "OpenMPI": "mpirun --map-by ppr:{n}:node",
+    "MPICH": "mpiexec -ppn {n}",
+    "RankEnv": "start at most {n} processes per machine",
+}
+#: Launchers that start every worker with one environment: a GPU per worker is never bound to it.
+_ONE_ENVIRONMENT = ("AutoDDPWorker", "TorchElastic")
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """What a rank knows about its node's ranks and GPUs, without asking the other ranks."""
+
+    launcher: str  # the environment's class name (``TorchElastic``, ``SlurmStep``...)
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    gpus: int  # GPUs this process sees
+    visible: str | None  # CUDA_VISIBLE_DEVICES
+    node_gpus: int | None = None  # GPUs the scheduler gave this step on this node, when it says
+    per_task: bool = False  # the launcher (or a wrapper) gave each task its own GPUs
+    shared: bool = False  # the launcher was told to put several tasks on one GPU
+
+    def fix(self, n: int) -> str:
+        return FIXES.get(self.launcher, FIXES["RankEnv"]).format(n=n)
+
+
+def gpu_index(p: Placement) -> int:
+    """The GPU (``cuda:<index>``) this rank computes on; ConfigurationError where NCCL would refuse.
+
+    Every GPU of the node visible and one per rank: ``cuda:<local rank>``. Each task bound to its
+    own GPUs (``--gpus-per-task``, a per-rank ``CUDA_VISIBLE_DEVICES``): the first of its own,
+    ``cuda:<local rank % visible>`` (``cuda:0`` with one each): the environment's device is the
+    truth. Fewer GPUs than ranks otherwise: ranks would share a GPU or name one that is not there.
+    """
+    if p.gpus >= p.local_world_size and not p.shared:
+        return p.local_rank
+    sharing = p.shared or (p.node_gpus is not None and p.node_gpus < p.local_world_size)
+    if p.gpus and p.per_task and not sharing:
+        return p.local_rank % p.gpus
+    have = p.node_gpus if p.node_gpus is not None and not p.per_task else p.gpus
+    where = f"CUDA_VISIBLE_DEVICES={p.visible}" if p.visible is not None else "CUDA_VISIBLE_DEVICES unset"
+    step = f", {p.node_gpus} given to this step on this node" if p.node_gpus is not None else ""
+    raise ConfigurationError(
+        f"{p.local_world_size} ranks run on node {p.node_rank} but local rank {p.local_rank} sees {p.gpus} "
+        f"GPU(s) ({where}{step}): NCCL needs a GPU of its own for every rank (ranks on one GPU fail "
+        f'with "Duplicate GPU detected", a local rank past the last GPU with "invalid device ordinal"). '
+        f"Start at most {max(have, 1)} rank(s) per node ({p.fix(max(have, 1))}), or run on the CPU with "
+        "backend='gloo'"
+    )
+
+
+def idle_notice(p: Placement) -> str | None:
+    """One line when GPUs this node's ranks could use sit idle (local rank 0 says it), else None."""
+    if p.local_rank != 0 or p.launcher == "AutoDDPWorker":
+        return None
+    ranks = 1 if p.per_task else p.local_world_size
+    if p.gpus <= ranks:
+        return None
+    whose = "this task" if p.per_task else f"the {ranks} rank(s) of node {p.node_rank}"
+    return (
+        f"autoddp: node {p.node_rank}: {p.gpus} GPU(s) visible to {whose}, {ranks} used: "
+        f"{p.gpus - ranks} stay idle. Start one rank per GPU: {p.fix(p.gpus if not p.per_task else ranks)}"
+    )
+
+
+def placement(world: World, env: Environment, environ: Mapping[str, str], gpus: int) -> Placement:
+    """The facts of ``gpu_index`` for this rank, from its launcher's variables."""
+    kind = type(env).__name__
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    node_gpus, per_task, shared = None, False, False
+    if kind == "SlurmStep":
+        node_gpus = _slurm_node_gpus(environ)
+        per_task = "SLURM_GPUS_PER_TASK" in environ or (node_gpus is not None and gpus < node_gpus)
+        shared = (parse_int(environ.get("SLURM_NTASKS_PER_GPU", "")) or 1) > 1
+    elif kind not in _ONE_ENVIRONMENT:
+        # mpirun and operators: a wrapper may bind each rank (CUDA_VISIBLE_DEVICES=$LOCAL_RANK)
+        per_task = bool(visible) and gpus < world.local_world_size
+    return Placement(
+        kind,
+        world.local_rank,
+        world.local_world_size,
+        world.node_rank,
+        gpus,
+        visible,
+        node_gpus,
+        per_task,
+        shared,
+    )
+
+
+def _slurm_node_gpus(environ: Mapping[str, str]) -> int | None:
+    """GPUs SLURM gave this step on this node: ``SLURM_GPUS_ON_NODE``, else the ids it lists."""
+    count = parse_int(environ.get("SLURM_GPUS_ON_NODE", ""))
+    if count is not None:
+        return count
+    for name in ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS"):
+        ids = [part for part in environ.get(name, "").split(",") if part.strip()]
+        if ids:
+            return len(ids)
+    return None
+
+
+def check(world: World, environ: Mapping[str, str] | None = None, announce: bool = True) -> int:
+    """Check this rank's launch against its GPUs before the first NCCL call; the GPU index it takes.
+
+    Raises ConfigurationError where NCCL would refuse; local rank 0 prints (``announce``) what
+    would waste the run (idle GPUs).
+    """
+    from autoddp import environment  # (the CUDA path only)
+
+    environ = os.environ if environ is None else environ
+    facts = placement(world, environment.detect(environ), environ, hardware.gpu_count())
+    index = gpu_index(facts)
+    note = idle_notice(facts) if announce else None
+    if note:
+        print(note, file=sys.stderr, flush=True)
+    return index
