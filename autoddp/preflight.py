@@ -1,11 +1,13 @@
-"""Checks on the CUDA path before the first NCCL call: a GPU of its own for every rank.
+"""Checks on the CUDA path before the first NCCL call: a GPU per rank, /dev/shm, compute modes.
 
 NCCL fails late and opaquely where the launch does not fit the GPUs: two ranks on one GPU
 ("Duplicate GPU detected"), a local rank without a GPU of that number ("invalid device
-ordinal"). The decision functions here are fed the facts (GPU counts, the launcher's variables)
-and say which GPU a rank takes, what to tell the user, or raise a ``ConfigurationError`` naming
-the numbers and the fix. ``check`` gathers the facts in a rank, only on the CUDA path, so a
-CPU/gloo run never comes here.
+ordinal"), a /dev/shm too small for its buffers ("unhandled system error", bus errors), a GPU in
+exclusive-process mode that the caller already holds ("busy or unavailable"). The decision
+functions here are fed the facts (GPU counts, the launcher's variables, /dev/shm's size, compute
+modes) and say which GPU a rank takes, what to tell the user, or raise a ``ConfigurationError``
+naming the numbers and the fix. ``check`` gathers the facts in a rank, ``before_workers`` in a
+caller about to start workers; both only on the CUDA path, so a CPU/gloo run never comes here.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from autoddp.environment._base import parse_int
 from autoddp.errors import ConfigurationError
 from autoddp.state import World
 
+#: NCCL's advice for containers (its troubleshooting guide: ``--shm-size=1g --ulimit memlock=-1``).
+SHM_ADVISED = 1 << 30
+SHM_PATH = "/dev/shm"
+
 #: How each launcher starts N ranks per node ({n}); the one-rank-per-GPU fix names it.
 FIXES = {
     "AutoDDPWorker": "autoddp -n {n} / @distributed(nproc={n})",
@@ -32,6 +38,9 @@ FIXES = {
 }
 #: Launchers that start every worker with one environment: a GPU per worker is never bound to it.
 _ONE_ENVIRONMENT = ("AutoDDPWorker", "TorchElastic")
+
+#: CUDA's compute modes (``CUcomputemode``).
+COMPUTE_DEFAULT, COMPUTE_PROHIBITED, COMPUTE_EXCLUSIVE_PROCESS = 0, 2, 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +100,58 @@ def idle_notice(p: Placement) -> str | None:
     )
 
 
+def shm_notice(total: int, free: int, local_world_size: int, environ: Mapping[str, str]) -> str | None:
+    """A line when /dev/shm is below NCCL's advice for the ranks of this node, else None.
+
+    NCCL keeps the buffers between the GPUs of one machine in /dev/shm (where peer access is
+    missing, and for its proxy); Docker and Kubernetes give containers 64 MiB, where NCCL fails
+    at its first collective. A notice, not an error: with NVLink, or NCCL's cuMem host memory,
+    less may do. Nothing to say for one rank per node, or with ``NCCL_SHM_DISABLE=1``.
+    """
+    if local_world_size < 2 or environ.get("NCCL_SHM_DISABLE", "0").strip() not in ("", "0"):
+        return None
+    if free >= SHM_ADVISED:
+        return None
+    mib = 1 << 20
+    return (
+        f"autoddp: {SHM_PATH} has {free // mib} MiB free of {total // mib} MiB, below the 1 GiB NCCL "
+        f'advises for the {local_world_size} ranks of this machine: NCCL may fail with "unhandled system '
+        'error" ("Error while creating shared memory segment") or a bus error. Run the container '
+        "with --shm-size=1g (or --ipc=host), or set NCCL_SHM_DISABLE=1 (slower: NCCL then goes "
+        "through the network)"
+    )
+
+
+def compute_mode_problem(states: Mapping[int, tuple[int, bool]], nproc: int) -> str | None:
+    """Why workers 0..nproc-1 cannot use their GPUs, given ``{gpu: (compute mode, caller holds it)}``.
+
+    A GPU in exclusive-process mode takes one process's context: the caller's, once it made one
+    there, and the worker for that GPU then fails with "CUDA-capable device(s) is/are busy or
+    unavailable". A GPU in prohibited mode takes none.
+    """
+    held = [
+        gpu
+        for gpu, (mode, active) in sorted(states.items())
+        if gpu < nproc and active and mode == COMPUTE_EXCLUSIVE_PROCESS
+    ]
+    barred = [gpu for gpu, (mode, _) in sorted(states.items()) if gpu < nproc and mode == COMPUTE_PROHIBITED]
+    if barred:
+        return (
+            f"GPU(s) {', '.join(map(str, barred))} are in the 'Prohibited' compute mode: no process may use "
+            "them. Set the default mode (nvidia-smi -i N -c DEFAULT, as root) or hide them with "
+            "CUDA_VISIBLE_DEVICES"
+        )
+    if held:
+        gpus = ", ".join(f"cuda:{gpu}" for gpu in held)
+        return (
+            f"this process already holds a CUDA context on {gpus}, in the 'Exclusive_Process' compute mode: "
+            f'the worker for it would fail with "CUDA-capable device(s) is/are busy or unavailable". Do the '
+            "caller's CUDA work inside the function or after the call (torch.cuda.is_available() alone "
+            "makes no context), or set the default mode (nvidia-smi -i N -c DEFAULT, as root)"
+        )
+    return None
+
+
 def placement(world: World, env: Environment, environ: Mapping[str, str], gpus: int) -> Placement:
     """The facts of ``gpu_index`` for this rank, from its launcher's variables."""
     kind = type(env).__name__
@@ -128,18 +189,41 @@ def _slurm_node_gpus(environ: Mapping[str, str]) -> int | None:
     return None
 
 
+def shm_space(path: str = SHM_PATH) -> tuple[int, int] | None:
+    """(total, free) bytes of the filesystem at ``path``; None where there is none."""
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return None
+    return stat.f_blocks * stat.f_frsize, stat.f_bavail * stat.f_frsize
+
+
 def check(world: World, environ: Mapping[str, str] | None = None, announce: bool = True) -> int:
     """Check this rank's launch against its GPUs before the first NCCL call; the GPU index it takes.
 
     Raises ConfigurationError where NCCL would refuse; local rank 0 prints (``announce``) what
-    would waste the run (idle GPUs).
+    would slow or break the run later (idle GPUs, a small /dev/shm).
     """
     from autoddp import environment  # (the CUDA path only)
 
     environ = os.environ if environ is None else environ
     facts = placement(world, environment.detect(environ), environ, hardware.gpu_count())
     index = gpu_index(facts)
-    note = idle_notice(facts) if announce else None
-    if note:
-        print(note, file=sys.stderr, flush=True)
+    if announce and world.local_rank == 0:
+        space = shm_space()
+        notes = [idle_notice(facts), shm_notice(*space, world.local_world_size, environ) if space else None]
+        for note in filter(None, notes):
+            print(note, file=sys.stderr, flush=True)
     return index
+
+
+def before_workers(nproc: int) -> None:
+    """In a caller about to start ``nproc`` GPU workers: refuse GPUs they could not open.
+
+    Reads the compute modes only where CUDA is already initialised in this process (the driver
+    is loaded; nothing new is set up before the workers start); otherwise costs one flag read.
+    """
+    states = hardware.cuda_contexts()
+    problem = compute_mode_problem(states, nproc) if states else None
+    if problem:
+        raise ConfigurationError(problem)

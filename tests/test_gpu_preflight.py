@@ -1,15 +1,18 @@
 """Issue 20, items 9 and 11: ranks against GPUs under launchers, and the checks before NCCL's first call.
 
-No GPU here: the decision functions are fed the facts (GPU counts, launcher variables), and
-real launches (torchrun, srun-style tasks) run with a ``sitecustomize`` that makes torch see N
-GPUs and records what ``torch.cuda.set_device`` and ``init_process_group`` were called with
-(the recorder stops the process there: nothing claims NCCL ran).
+No GPU here: the decision functions are fed the facts (GPU counts, launcher variables, /dev/shm
+sizes, compute modes), and real launches (torchrun, srun-style tasks, a decorated call) run
+with a ``sitecustomize`` that makes torch see N GPUs and records what ``torch.cuda.set_device``
+and ``init_process_group`` were called with (the recorder stops the process there: nothing
+claims NCCL ran). /dev/shm is a real 64 MiB tmpfs in a mount namespace; the CUDA driver asked
+for compute modes is a real shared library built here.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -18,6 +21,8 @@ import pytest
 from autoddp import environment, preflight
 from autoddp.errors import ConfigurationError
 from conftest import write
+
+MIB = 1 << 20
 
 #: Makes torch see FAKE_CUDA_GPUS GPUs and records set_device / init_process_group calls.
 SITECUSTOMIZE = """
@@ -178,6 +183,55 @@ def test_idle_gpus_are_said_with_the_flag_that_uses_them():
     assert preflight.idle_notice(facts(per_task, gpus=1)) is None
 
 
+def test_shm_below_nccls_advice_is_said_with_the_container_flags():
+    note = preflight.shm_notice(64 * MIB, 64 * MIB, 8, {})
+    assert note is not None and "64 MiB free of 64 MiB" in note and "8 ranks of this machine" in note
+    assert "--shm-size=1g" in note and "--ipc=host" in note and "NCCL_SHM_DISABLE=1" in note
+    assert "unhandled system error" in note
+    assert preflight.shm_notice(24 << 30, 24 << 30, 8, {}) is None  # a host's /dev/shm: half its memory
+    assert preflight.shm_notice(64 * MIB, 64 * MIB, 1, {}) is None  # one rank a machine: no peers
+    assert preflight.shm_notice(64 * MIB, 64 * MIB, 8, {"NCCL_SHM_DISABLE": "1"}) is None
+    assert preflight.shm_notice(4 << 30, 900 * MIB, 2, {}) is not None  # free space counts, not size
+
+
+def test_gpus_the_caller_holds_in_exclusive_mode_are_refused_before_workers_start():
+    exclusive, default, prohibited = (
+        preflight.COMPUTE_EXCLUSIVE_PROCESS,
+        preflight.COMPUTE_DEFAULT,
+        preflight.COMPUTE_PROHIBITED,
+    )
+    problem = preflight.compute_mode_problem({0: (exclusive, True), 1: (exclusive, False)}, nproc=2)
+    assert problem is not None and "cuda:0" in problem and "cuda:1" not in problem
+    assert "busy or unavailable" in problem and "nvidia-smi -i N -c DEFAULT" in problem
+    assert preflight.compute_mode_problem({0: (default, True), 1: (default, True)}, nproc=2) is None
+    assert preflight.compute_mode_problem({0: (exclusive, False)}, nproc=1) is None  # held by no one
+    assert preflight.compute_mode_problem({0: (exclusive, True)}, nproc=0) is None
+    assert "Prohibited" in preflight.compute_mode_problem({1: (prohibited, False)}, nproc=2)
+
+
+FAKE_DRIVER = r"""
+/* CUDA's driver API as far as autoddp asks it: 2 GPUs in Exclusive_Process mode, GPU 0 held. */
+int cuDeviceGetCount(int *count) { *count = 2; return 0; }
+int cuDeviceGet(int *device, int ordinal) { *device = ordinal; return 0; }
+int cuDeviceGetAttribute(int *value, int attribute, int device) {
+    *value = attribute == 20 ? 3 : 0; return 0; }
+int cuDevicePrimaryCtxGetState(int device, unsigned *flags, int *active) {
+    *flags = 0; *active = device == 0; return 0; }
+"""
+
+NOTEBOOK = """
+import autoddp
+
+@autoddp.distributed(nproc=2)
+def train():
+    open({marker!r}, "w").close()
+
+try:
+    train()
+except autoddp.ConfigurationError as error:
+    print("refused:", error)
+"""
+
 #: One machine's srun step: starts every task with its own variables (inside a mount namespace).
 NODE = """
 import json, subprocess, sys
@@ -189,6 +243,15 @@ print(json.dumps([{"code": p.returncode, "stderr": e} for p, e in zip(procs, err
 """
 
 
+def _unshare_works() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"], capture_output=True
+    )
+    return probe.returncode == 0
+
+
 def start(tmp_path, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
     (tmp_path / name).mkdir()
     return subprocess.Popen(
@@ -197,11 +260,14 @@ def start(tmp_path, name: str, argv: list[str], env: dict[str, str]) -> subproce
 
 
 def test_launches_on_fake_gpus_stop_or_place_before_nccl_and_say_what_slows_them(tmp_path):
-    """Real launches at once, each with torch seeing GPUs that are not there.
+    """Three real launches at once, each with torch seeing GPUs that are not there.
 
     torchrun --nproc-per-node 2 on 1 GPU: both ranks stop with the numbers, nothing pinned, no
-    init_process_group. srun -n 2 on a node of 8 GPUs: cuda:0 and cuda:1, NCCL's group asked for
-    on them, and local rank 0 says 6 GPUs stay idle.
+    init_process_group. srun -n 2 on a node of 8 GPUs inside a container with a 64 MiB /dev/shm:
+    cuda:0 and cuda:1, NCCL's group asked for on them, and local rank 0 says 6 GPUs stay idle and
+    /dev/shm is small. A notebook that made a CUDA context on GPU 0 in Exclusive_Process mode
+    (a real shared library in place of libcuda answers the driver's queries): refused before any
+    worker starts.
     """
     script = write(tmp_path / "train.py", SCRIPT)
     runs = {}
@@ -218,7 +284,32 @@ def test_launches_on_fake_gpus_stop_or_place_before_nccl_and_say_what_slows_them
     ]
     (tmp_path / "tasks.json").write_text(json.dumps(tasks))
     node = [sys.executable, str(write(tmp_path / "node.py", NODE)), str(tmp_path / "tasks.json"), str(script)]
+    small_shm = _unshare_works()
+    if small_shm:  # Docker's default: a 64 MiB /dev/shm
+        node = [
+            "unshare",
+            "-rm",
+            "sh",
+            "-c",
+            'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$@"',
+            "-",
+            *node,
+        ]
     runs["srun"] = node, srun
+
+    (tmp_path / "driver.c").write_text(FAKE_DRIVER)
+    built = shutil.which("gcc") is not None
+    if built:
+        subprocess.run(
+            ["gcc", "-shared", "-fPIC", "-o", str(tmp_path / "libcuda.so.1"), str(tmp_path / "driver.c")],
+            check=True,
+        )
+        marker = tmp_path / "ran"
+        notebook = write(tmp_path / "notebook.py", NOTEBOOK.format(marker=str(marker)))
+        caller = fake_cuda(
+            tmp_path / "notebook", gpus=2, FAKE_CUDA_INITIALIZED="1", LD_LIBRARY_PATH=str(tmp_path)
+        )
+        runs["notebook"] = [sys.executable, str(notebook)], caller
 
     procs = {name: start(tmp_path, name, argv, env) for name, (argv, env) in runs.items()}
     results = {name: (*proc.communicate(timeout=100), proc.returncode) for name, proc in procs.items()}
@@ -238,6 +329,9 @@ def test_launches_on_fake_gpus_stop_or_place_before_nccl_and_say_what_slows_them
         "autoddp: node 0: 8 GPU(s) visible to the 2 rank(s) of node 0, 2 used: 6 stay idle" in first["stderr"]
     )
     assert "srun --ntasks-per-node=8" in first["stderr"]
+    if small_shm:
+        assert "autoddp: /dev/shm has 64 MiB free of 64 MiB, below the 1 GiB NCCL advises" in first["stderr"]
+        assert "--shm-size=1g" in first["stderr"]
     assert "autoddp:" not in second["stderr"]  # local rank 0 says it for the machine
     calls = sorted(
         (c["rank"], c["call"], c.get("device"), c.get("device_id")) for c in recorded(tmp_path / "srun")
@@ -248,3 +342,12 @@ def test_launches_on_fake_gpus_stop_or_place_before_nccl_and_say_what_slows_them
         ("1", "init_process_group", None, "cuda:1"),
         ("1", "set_device", "1", None),
     ]
+
+    if built:
+        out, err, code = results["notebook"]
+        assert code == 0, err
+        assert (
+            "refused: this process already holds a CUDA context on cuda:0, in the 'Exclusive_Process'" in out
+        )
+        assert "busy or unavailable" in out
+        assert not marker.exists() and recorded(tmp_path / "notebook") == []  # no worker started
