@@ -34,7 +34,7 @@ FIXES = {
     "SlurmStep": "srun --ntasks-per-node={n}, or --gpus-per-task=1 to give each task its own GPU",
     "OpenMPI": "mpirun --map-by ppr:{n}:node",
     "MPICH": "mpiexec -ppn {n}",
-    "RankEnv": "start at most {n} processes per machine",
+    "RankEnv": "start at most {n} processes per machine, each with LOCAL_RANK and LOCAL_WORLD_SIZE",
 }
 #: Launchers that start every worker with one environment: a GPU per worker is never bound to it.
 _ONE_ENVIRONMENT = ("AutoDDPWorker", "TorchElastic")
@@ -81,8 +81,8 @@ def gpu_index(p: Placement) -> int:
         f"{p.local_world_size} ranks run on node {p.node_rank} but local rank {p.local_rank} sees {p.gpus} "
         f"GPU(s) ({where}{step}): NCCL needs a GPU of its own for every rank (ranks on one GPU fail "
         f'with "Duplicate GPU detected", a local rank past the last GPU with "invalid device ordinal"). '
-        f"Start at most {max(have, 1)} rank(s) per node ({p.fix(max(have, 1))}), or run on the CPU with "
-        "backend='gloo'"
+        f"Start at most {max(have, 1)} rank(s) per node ({p.fix(max(have, 1))}), or run on the CPU "
+        "(backend='gloo' for @distributed, CUDA_VISIBLE_DEVICES= for a script)"
     )
 
 
@@ -94,9 +94,10 @@ def idle_notice(p: Placement) -> str | None:
     if p.gpus <= ranks:
         return None
     whose = "this task" if p.per_task else f"the {ranks} rank(s) of node {p.node_rank}"
+    node_gpus = (p.node_gpus or p.gpus) if p.per_task else p.gpus
     return (
         f"autoddp: node {p.node_rank}: {p.gpus} GPU(s) visible to {whose}, {ranks} used: "
-        f"{p.gpus - ranks} stay idle. Start one rank per GPU: {p.fix(p.gpus if not p.per_task else ranks)}"
+        f"{p.gpus - ranks} stay idle. Start one rank per GPU: {p.fix(node_gpus)}"
     )
 
 
