@@ -31,7 +31,7 @@ SHM_PATH = "/dev/shm"
 FIXES = {
     "AutoDDPWorker": "autoddp -n {n} / @distributed(nproc={n})",
     "TorchElastic": "torchrun --nproc-per-node={n}",
-    "SlurmStep": "srun --ntasks-per-node={n}, or --gpus-per-task=1 to give each task its own GPU",
+    "SlurmStep": "srun --ntasks-per-node={n}",
     "OpenMPI": "mpirun --map-by ppr:{n}:node",
     "MPICH": "mpiexec -ppn {n}",
     "RankEnv": "start at most {n} processes per machine, each with LOCAL_RANK and LOCAL_WORLD_SIZE",
