@@ -32,7 +32,17 @@ from typing import Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from autoddp import _compat, _finished, _worker, capture, environment, hardware, process_group, transport
+from autoddp import (
+    _compat,
+    _finished,
+    _worker,
+    capture,
+    environment,
+    hardware,
+    preflight,
+    process_group,
+    transport,
+)
 from autoddp.hang import marks
 from autoddp.state import RunOptions, World
 
@@ -73,7 +83,8 @@ class _ScriptWorld:
         self._joined: Any = None
 
     def join(self) -> World:
-        self._joined = process_group.joined(self.world, self.backend)
+        # preflight's notices were printed when the GPU was pinned (_start_capture)
+        self._joined = process_group.joined(self.world, self.backend, announce=False)
         return self._joined.__enter__()
 
 
@@ -83,8 +94,8 @@ def _start_capture(capture_on: bool, options: RunOptions) -> capture.Session | N
     if world.world_size <= 1 or not capture_on:
         return None
     backend = process_group.resolve_backend(None, hardware.gpu_count())
-    if backend.use_cuda and world.device.startswith("cuda:"):
-        torch.cuda.set_device(int(world.device.split(":")[1]))  # before the script touches CUDA
+    if backend.use_cuda:
+        torch.cuda.set_device(preflight.check(world))  # before the script touches CUDA (or NCCL)
     script_world = _ScriptWorld(world, backend)
     session = capture.Session(options, join=script_world.join, planned=world)
     session.install()

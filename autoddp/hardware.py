@@ -43,6 +43,41 @@ def task_device(local_rank: int) -> str:
     return f"cuda:{local_rank % gpus}" if gpus else "cpu"
 
 
+#: ``CU_DEVICE_ATTRIBUTE_COMPUTE_MODE`` of CUDA's driver API.
+_COMPUTE_MODE_ATTRIBUTE = 20
+
+
+def cuda_contexts(library: str = "libcuda.so.1") -> dict[int, tuple[int, bool]]:
+    """``{gpu: (compute mode, whether this process holds its primary context)}``; {} before CUDA starts.
+
+    Asked of CUDA's driver only where torch has initialised CUDA in this process already: the
+    driver is loaded then, and these queries create no context (``cuDeviceGetAttribute``,
+    ``cuDevicePrimaryCtxGetState``). Before that, nothing is asked, so fork stays usable.
+    """
+    if not torch.cuda.is_initialized():
+        return {}
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL(library)
+    except OSError:
+        return {}
+    count = ctypes.c_int(0)
+    if driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return {}
+    states: dict[int, tuple[int, bool]] = {}
+    for ordinal in range(count.value):
+        device, mode = ctypes.c_int(0), ctypes.c_int(0)
+        flags, active = ctypes.c_uint(0), ctypes.c_int(0)
+        if (
+            driver.cuDeviceGet(ctypes.byref(device), ordinal) == 0
+            and driver.cuDeviceGetAttribute(ctypes.byref(mode), _COMPUTE_MODE_ATTRIBUTE, device) == 0
+            and driver.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active)) == 0
+        ):
+            states[ordinal] = (mode.value, bool(active.value))
+    return states
+
+
 def omp_threads(nproc: int, environ: Mapping[str, str] | None = None) -> str | None:
     """``OMP_NUM_THREADS`` for workers sharing this machine: cores // processes, or None if set.
 

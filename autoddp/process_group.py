@@ -86,6 +86,7 @@ def joined(
     backend: Backend,
     timeout: datetime.timedelta | None = None,
     options: RunOptions | None = None,
+    announce: bool = True,
 ) -> contextlib.AbstractContextManager[World]:
     """Join the default process group for ``world`` (or reuse one the user made) for a ``with`` block.
 
@@ -94,9 +95,10 @@ def joined(
     normally; first every wrapped model lets go of the group (``Run.release_wrapped``: a DDP
     wrapper is dropped) and garbage is collected, so no DDP outlives the group (freeing one
     afterwards can deadlock gloo). After an error the group is left to the process's exit: the
-    other ranks may still be inside a collective with it.
+    other ranks may still be inside a collective with it. On GPUs, ``preflight.check`` runs
+    first (``announce``: its notices printed, unless the caller printed them already).
     """
-    return _Joined(world, backend, timeout, options)
+    return _Joined(world, backend, timeout, options, announce)
 
 
 class _Joined:
@@ -108,15 +110,22 @@ class _Joined:
         backend: Backend,
         timeout: datetime.timedelta | None,
         options: RunOptions | None,
+        announce: bool = True,
     ) -> None:
         self.world, self.backend, self.timeout, self.options = world, backend, timeout, options
+        self.announce = announce
         self.created = False
         self.current: contextlib.AbstractContextManager[World] | None = None
 
     def __enter__(self) -> World:
         world, backend = self.world, self.backend
-        if backend.use_cuda:
-            # the environment's choice: cuda:<local rank>, or the one GPU a scheduler bound to this task
+        if backend.use_cuda and world.world_size > 1 and not _group_exists():
+            from autoddp import preflight  # (the CUDA path only)
+
+            # cuda:<local rank>, or the GPU a scheduler bound to this task; an error before NCCL's
+            index = preflight.check(world, announce=self.announce)
+            device = f"cuda:{index}"
+        elif backend.use_cuda:
             index = int(world.device.split(":")[1]) if world.device.startswith("cuda:") else world.local_rank
             device = f"cuda:{index}"
         else:
@@ -142,6 +151,13 @@ class _Joined:
                 dist.destroy_process_group()
         finally:
             self.current.__exit__(exc_type, *rest)
+
+
+def _group_exists() -> bool:
+    """True when a default process group exists already (the user's own: NCCL has run, or not here)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def leave_open_groups() -> bool:

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from autoddp import _warn, _worker, hardware, transport
+from autoddp import _warn, _worker, hardware, preflight, transport
 from autoddp.environment import LOOPBACK
 from autoddp.errors import ConfigurationError, SerializationError
 from autoddp.hang import record as hang_record
@@ -70,6 +70,8 @@ def launch_function(
     that would only repeat: a bad configuration, something that cannot be pickled). Ranks that
     wait for others longer than ``hang_report`` seconds are reported (``autoddp.hang``; 0: off).
     """
+    if job.backend.use_cuda:
+        preflight.before_workers(nproc)  # GPUs the caller's own CUDA context would deny them
     method, reason = choose_start_method(start_method, job.backend)
     if method == "spawn" and start_method == "auto":
         # Shown once per process (warnings' default filter): the fallback needs no action.
