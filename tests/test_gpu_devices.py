@@ -2,7 +2,7 @@
 
 No GPU here: the CUDA condition is imitated. A ``sitecustomize.py`` on the workers' PYTHONPATH makes
 ``torch.cuda.device_count()`` report two GPUs and records the device arguments torch receives
-(``torch.cuda.set_device``, ``Tensor.to``/``.cuda``, ``Module.to``, ``DataParallel``'s
+(``torch.cuda.set_device``, ``Tensor.to``/``.cuda`` (where ``Module.to`` ends), ``DataParallel``'s
 ``device_ids``) and every CUDA storage location torch is asked to restore (a deserializer
 registered with ``torch.serialization.register_package``), answering with CPU tensors. The
 caller tags chosen storages ``"cuda:0"`` with a tagger of its own, as a CUDA tensor is saved.
@@ -28,15 +28,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SITECUSTOMIZE = """
 import json, os
 
-if os.environ.get("FAKE_GPUS") and "RANK" in os.environ:  # the workers only
+if os.environ.get("FAKE_GPUS"):  # (forked workers inherit it from the caller or the command)
     import torch
     import torch.serialization as serialization
 
-    _log = open(os.path.join(os.environ["FAKE_LOG"], f"rank{os.environ['RANK']}.jsonl"), "a", buffering=1)
     ON_GPU = set()  # storages restored "on a GPU" (CPU storages here)
 
     def record(kind, value):
-        _log.write(json.dumps([kind, str(value)]) + "\\n")
+        if "RANK" in os.environ:  # the workers' own records
+            name = os.path.join(os.environ["FAKE_LOG"], f"rank{os.environ['RANK']}.jsonl")
+            with open(name, "a") as log:
+                log.write(json.dumps([kind, str(value)]) + "\\n")
 
     def _cpu(device):
         is_device = isinstance(device, (str, int, torch.device))
@@ -51,11 +53,11 @@ if os.environ.get("FAKE_GPUS") and "RANK" in os.environ:  # the workers only
     def _tag(storage):  # rank 0's result: what was restored on a GPU is saved from cuda:0
         return "cuda:0" if storage.data_ptr() in ON_GPU else None
 
-    serialization.register_package(1, _tag, _restore)
+    serialization.register_package(2, _tag, _restore)  # (the caller's test tagger: 1)
     torch.cuda.device_count = lambda: int(os.environ["FAKE_GPUS"])
     torch.cuda.set_device = lambda device: record("set_device", device)
 
-    _tensor_to, _module_to = torch.Tensor.to, torch.nn.Module.to
+    _tensor_to = torch.Tensor.to
 
     def tensor_to(self, *args, **kwargs):
         if args and not isinstance(args[0], (torch.dtype, torch.Tensor)):
@@ -70,13 +72,7 @@ if os.environ.get("FAKE_GPUS") and "RANK" in os.environ:  # the workers only
         record("cuda", device)
         return self
 
-    def module_to(self, *args, **kwargs):
-        if args and not isinstance(args[0], (torch.dtype, torch.Tensor)):
-            record("to", args[0])
-            args = (_cpu(args[0]), *args[1:])
-        return _module_to(self, *args, **kwargs)
-
-    torch.Tensor.to, torch.Tensor.cuda, torch.nn.Module.to = tensor_to, tensor_cuda, module_to
+    torch.Tensor.to, torch.Tensor.cuda = tensor_to, tensor_cuda  # (Module.to and .cuda call them)
     _dp_init = torch.nn.DataParallel.__init__
 
     def dp_init(self, module, device_ids=None, output_device=None, dim=0):
@@ -137,56 +133,101 @@ def test_gpu_0_and_the_local_rank_mean_the_own_gpu_another_ranks_is_an_error():
         placement.own_index(1, 0, World(rank=0, local_rank=0, world_size=2, device="cuda:0"))
 
 
-# --- item 1: the caller's CUDA tensors -----------------------------------------------------
+# --- the caller's CUDA tensors (item 1) and single-GPU habits on ranks 1..N-1 (item 5) -----
+
+#: A single-GPU training step full of GPU-0 habits, as a script writes it.
+HABITS = """
+device = torch.device("cuda:0")
+torch.cuda.set_device(0)
+model = nn.DataParallel(nn.Linear(3, 2)).to(device)
+model.module.load_state_dict(torch.load("ckpt.pt"))  # saved from cuda:0
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randn(4, 3).cuda(0)
+model(x.to(device)).sum().backward()
+optimizer.step()
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # torchrun-style code keeps working
+seen = {"context": torch.cuda.device(0).idx, "module": type(model.module).__name__}
+try:
+    torch.zeros(1).to("cuda:1")  # rank 1's GPU: on rank 0 a clear error
+except Exception as error:
+    seen["error"] = f"{type(error).__name__}: {error}"
+with open(f"seen{os.environ['RANK']}.json", "w") as file:
+    json.dump(seen, file)
+"""
+
+#: A caller that touched CUDA: its tensors and a checkpoint are "on cuda:0" (tagged so when saved).
+CALLER = """
+import json, os
+import torch
+import torch.serialization as serialization
+from torch import nn
+import autoddp
+
+ON_GPU, RESTORED = set(), []
+
+def tag(storage):
+    return "cuda:0" if storage.data_ptr() in ON_GPU else None
+
+def restore(storage, location):
+    if location.startswith("cuda"):
+        RESTORED.append(location)
+        return storage
+
+serialization.register_package(1, tag, restore)
+
+class Box:
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+state = nn.Linear(3, 2).state_dict()
+weights, bias = torch.arange(6.0), torch.ones(2)
+ON_GPU.update(t.untyped_storage().data_ptr() for t in (*state.values(), weights, bias))
+torch.save(state, "ckpt.pt")
+
+@autoddp.distributed(nproc=2, start_method="spawn")  # (what CUDA in the caller makes it choose)
+def train(weights, bias):
+BODY
+    return Box(weights), float(weights.sum() + bias.sum())
+
+box, total = train(weights, bias)
+print(json.dumps({"total": total, "restored_in_caller": RESTORED, "device": str(box.tensor.device)}))
+"""
 
 
-def test_fresh_workers_restore_the_callers_cuda_tensors_on_their_own_gpu_pinned_first(tmp_path):
-    """A caller that touched CUDA sends its tensors to fresh interpreters: rank r pins cuda:r, then
-    restores every "cuda:0" storage there (not 8 copies on GPU 0); rank 0's result comes back to
-    the caller on the CPU, a tensor inside an object of the user's too."""
-    script = write(
-        tmp_path / "caller.py",
-        """
-        import json, sys
-        import torch
-        import torch.serialization as serialization
-        import autoddp
-
-        ON_GPU, RESTORED = set(), []
-
-        def tag(storage):
-            return "cuda:0" if storage.data_ptr() in ON_GPU else None
-
-        def restore(storage, location):
-            if location.startswith("cuda"):
-                RESTORED.append(location)
-                return storage
-
-        serialization.register_package(1, tag, restore)
-
-        class Box:
-            def __init__(self, tensor):
-                self.tensor = tensor
-
-        weights, bias = torch.arange(6.0), torch.ones(2)
-        ON_GPU.update({weights.untyped_storage().data_ptr(), bias.untyped_storage().data_ptr()})
-
-        @autoddp.distributed(nproc=2, start_method="spawn")
-        def train(weights, bias):
-            return Box(weights), float(weights.sum() + bias.sum())
-
-        box, total = train(weights, bias)
-        print(json.dumps({"total": total, "restored_in_caller": RESTORED, "device": str(box.tensor.device)}))
-        """,
-    )
-    result = _run(tmp_path, [str(script)], _fake_gpus(tmp_path))
-    assert result.returncode == 0, result.stderr
-    out = json.loads(result.stdout.strip().splitlines()[-1])
-    assert out == {"total": 17.0, "restored_in_caller": [], "device": "cpu"}
+def _check_ranks(tmp_path, result, how: str) -> None:
+    """Rank r pinned cuda:r before restoring anything, and asked torch for cuda:r only."""
+    assert result.returncode == 0, f"{how}: {result.stderr}"
+    assert "nn.DataParallel (" in result.stderr and "own GPU only (device_ids=[0])" in result.stderr
     for rank in (0, 1):
         records = _records(tmp_path, rank)
-        restores = [value for kind, value in records if kind == "restore"]
-        assert restores and set(restores) == {f"cuda:{rank}"}, records
+        kinds = {kind for kind, _ in records}
+        assert {"set_device", "to", "cuda", "restore", "data_parallel"} <= kinds, (how, records)
+        indices = {int(digit) for _, value in records for digit in value if digit.isdigit()}
+        assert indices == {rank}, (how, rank, records)  # rank r asks for cuda:r only
         first_restore = next(i for i, (kind, _) in enumerate(records) if kind == "restore")
-        assert ("set_device", str(rank)) in records[:first_restore], records
-        assert {value for kind, value in records if kind == "set_device"} == {str(rank)}, records
+        assert ("set_device", str(rank)) in records[:first_restore], (how, records)
+        seen = json.loads((tmp_path / f"seen{rank}.json").read_text())
+        assert seen["context"] == rank and seen["module"] == "Linear", (how, seen)
+        if rank == 0:
+            assert seen["error"].startswith("ConfigurationError: cuda:1 is not this process's GPU"), seen
+        else:
+            assert "error" not in seen, seen
+        (tmp_path / "log" / f"rank{rank}.jsonl").unlink()
+
+
+def test_each_rank_restores_the_callers_cuda_tensors_and_runs_gpu0_habits_on_its_own_gpu(tmp_path):
+    """Fresh-interpreter workers of a caller that touched CUDA pin their GPU, then restore the
+    caller's "cuda:0" storages there (not N copies on GPU 0); rank 0's result comes back on the
+    CPU, a tensor inside an object of the user's too. The same GPU-0 habits then run on each
+    rank's own GPU under the decorator and under the command (a forked worker)."""
+    env = _fake_gpus(tmp_path)
+    body = "".join(f"    {line}\n" for line in HABITS.strip().splitlines())
+    write(tmp_path / "caller.py", CALLER.replace("BODY\n", body))
+    result = _run(tmp_path, ["caller.py"], env)
+    _check_ranks(tmp_path, result, "decorator")
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out == {"total": 17.0, "restored_in_caller": [], "device": "cpu"}
+
+    write(tmp_path / "train.py", "import json, os\nimport torch\nfrom torch import nn\n" + HABITS)
+    result = _run(tmp_path, ["-m", "autoddp.cli", "-n", "2", "train.py"], env)
+    _check_ranks(tmp_path, result, "command")

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from autoddp import _compat, _warn
+from autoddp import _compat, _warn, placement
 from autoddp.errors import ConfigurationError
 from autoddp.models import _routing
 from autoddp.models.strategy import Strategy
@@ -237,14 +237,15 @@ def wrap_model(
 
 def _check_own_gpu(module: torch.nn.Module, world: World) -> None:
     """A module on a GPU other than this process's own cannot be trained here: say how to fix it."""
-    own = torch.device(world.device)
+    own = placement.own_gpu(world, torch.cuda.device_count())  # (beside the GPUs on gloo too)
     for tensor in (*module.parameters(), *module.buffers()):
-        if tensor.device.type == "cuda" and (own.type != "cuda" or tensor.device.index != own.index):
+        if tensor.device.type == "cuda" and tensor.device.index != own:
             raise ConfigurationError(
                 f"{type(module).__name__} sits on {tensor.device}, but this process (rank {world.rank}) "
-                f"computes on {world.device}: every process has its own GPU. Move the model with "
-                "device='cuda' or autoddp.device() (which mean this process's GPU) instead of a "
-                "fixed index, or turn capture off (@distributed(capture=False), autoddp --no-capture)"
+                f"computes on {'cpu' if own is None else f'cuda:{own}'}: every process has its own GPU. "
+                "Move the model with device='cuda', cuda:0 or autoddp.device() (which mean this "
+                "process's GPU) instead of another index, or turn capture off "
+                "(@distributed(capture=False), autoddp --no-capture)"
             )
 
 
