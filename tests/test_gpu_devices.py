@@ -16,8 +16,10 @@ import os
 import sys
 
 import pytest
+import torch
 
 from autoddp import placement
+from autoddp.capture.devices import Devices
 from autoddp.errors import ConfigurationError
 from autoddp.state import World
 from conftest import write
@@ -133,6 +135,20 @@ def test_gpu_0_and_the_local_rank_mean_the_own_gpu_another_ranks_is_an_error():
         placement.own_index(1, 0, World(rank=0, local_rank=0, world_size=2, device="cuda:0"))
 
 
+def test_capture_reads_the_device_arguments_by_the_same_rule():
+    devices = Devices(World(rank=1, local_rank=1, world_size=2, device="cuda:1"), lambda: None)
+    assert devices.device(0) == 1 and devices.device(1) == 1
+    assert devices.device(-1) == -1  # torch.cuda.device_of(a CPU tensor)
+    assert devices.device("cuda:0") == "cuda:1"
+    assert devices.device(torch.device("cuda", 0)) == torch.device("cuda", 1)
+    assert devices.device("cuda") == "cuda" and devices.device(torch.device("cuda")) == torch.device("cuda")
+    assert devices.device("cpu") == "cpu" and devices.device(None) is None
+    assert devices.map_location("cuda:0") == "cuda:1" and devices.map_location("cpu") == "cpu"
+    with pytest.raises(ConfigurationError, match="cuda:2 is not this process's GPU"):
+        devices.device("cuda:2")
+    assert Devices(World(), lambda: None).own is None  # no GPU: nothing is installed
+
+
 # --- the caller's CUDA tensors (item 1) and single-GPU habits on ranks 1..N-1 (item 5) -----
 
 #: A single-GPU training step full of GPU-0 habits, as a script writes it.
@@ -147,6 +163,10 @@ model(x.to(device)).sum().backward()
 optimizer.step()
 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # torchrun-style code keeps working
 seen = {"context": torch.cuda.device(0).idx, "module": type(model.module).__name__}
+torch.load("ckpt.pt", map_location="cuda:0")  # the user's own map_location, read the same way
+torch.load("ckpt.pt", map_location={"cuda:0": "cuda:0"})
+seen["theirs"] = []  # a function of the user's is told the own GPU's location
+torch.load("ckpt.pt", map_location=lambda storage, location: seen["theirs"].append(location) or storage)
 try:
     torch.zeros(1).to("cuda:1")  # rank 1's GPU: on rank 0 a clear error
 except Exception as error:
@@ -208,6 +228,9 @@ def _check_ranks(tmp_path, result, how: str) -> None:
         assert ("set_device", str(rank)) in records[:first_restore], (how, records)
         seen = json.loads((tmp_path / f"seen{rank}.json").read_text())
         assert seen["context"] == rank and seen["module"] == "Linear", (how, seen)
+        assert seen["theirs"] and set(seen["theirs"]) == {f"cuda:{rank}"}, (how, seen)
+        restores = [kind for kind, _ in records if kind == "restore"]
+        assert len(restores) >= 6, (how, records)  # the checkpoint's 2 storages, 3 loads onto a GPU
         if rank == 0:
             assert seen["error"].startswith("ConfigurationError: cuda:1 is not this process's GPU"), seen
         else:

@@ -69,8 +69,8 @@ class Devices:
     def device(self, device: Any) -> Any:
         """``device`` (an index, ``"cuda:k"``, a torch.device) with the GPU it means on this rank."""
         assert self.own is not None and self.world is not None
-        if type(device) is int:
-            return placement.own_index(device, self.own, self.world)
+        if type(device) is int:  # (-1: no device, as torch.cuda.device_of says for a CPU tensor)
+            return device if device < 0 else placement.own_index(device, self.own, self.world)
         if type(device) is str:
             if not device.startswith("cuda:"):
                 return device
