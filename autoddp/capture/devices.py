@@ -72,8 +72,8 @@ class Devices:
         if type(device) is int:  # (-1: no device, as torch.cuda.device_of says for a CPU tensor)
             return device if device < 0 else placement.own_index(device, self.own, self.world)
         if type(device) is str:
-            if not device.startswith("cuda:"):
-                return device
+            if not device.startswith("cuda:") or not device[5:].isdigit():
+                return device  # "cuda", "cpu", or one torch refuses as it would
             index = placement.own_index(int(device[5:]), self.own, self.world)
             return device if index == int(device[5:]) else f"cuda:{index}"
         if isinstance(device, torch.device) and device.type == "cuda" and device.index is not None:
