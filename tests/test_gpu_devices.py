@@ -203,13 +203,17 @@ state = nn.Linear(3, 2).state_dict()
 weights, bias = torch.arange(6.0), torch.ones(2)
 ON_GPU.update(t.untyped_storage().data_ptr() for t in (*state.values(), weights, bias))
 torch.save(state, "ckpt.pt")
+parallel = nn.DataParallel(nn.Linear(3, 2))  # as its __init__ leaves it on a machine of 2 GPUs:
+parallel.device_ids, parallel.output_device, parallel.src_device_obj = [0, 1], 0, torch.device("cuda", 0)
 
 @autoddp.distributed(nproc=2, start_method="spawn")  # (what CUDA in the caller makes it choose)
-def train(weights, bias):
+def train(weights, bias, parallel):
 BODY
+    with open(f"parallel{os.environ['RANK']}.json", "w") as file:
+        json.dump([parallel.device_ids, parallel.output_device, str(parallel.src_device_obj)], file)
     return Box(weights), float(weights.sum() + bias.sum())
 
-box, total = train(weights, bias)
+box, total = train(weights, bias, parallel)
 print(json.dumps({"total": total, "restored_in_caller": RESTORED, "device": str(box.tensor.device)}))
 """
 
@@ -250,6 +254,9 @@ def test_each_rank_restores_the_callers_cuda_tensors_and_runs_gpu0_habits_on_its
     _check_ranks(tmp_path, result, "decorator")
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out == {"total": 17.0, "restored_in_caller": [], "device": "cpu"}
+    for rank in (0, 1):  # a DataParallel made in the caller runs on each rank's own GPU only
+        assert json.loads((tmp_path / f"parallel{rank}.json").read_text()) == [[rank], rank, f"cuda:{rank}"]
+    assert "nn.DataParallel now runs on each process's own GPU only" in result.stderr
 
     write(tmp_path / "train.py", "import json, os\nimport torch\nfrom torch import nn\n" + HABITS)
     result = _run(tmp_path, ["-m", "autoddp.cli", "-n", "2", "train.py"], env)

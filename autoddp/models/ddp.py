@@ -227,6 +227,7 @@ def wrap_model(
     CURRENT.track(module, DDP)
     if not distributed:
         return module
+    _own_data_parallels(module, world)
     if not sync_batchnorm and world.rank == 0 and any(isinstance(m, _BATCHNORMS) for m in module.modules()):
         # (said by rank 0 only: every rank would say the same)
         _warn.warn(_batchnorm_hint(type(module).__name__, world.device))
@@ -247,6 +248,24 @@ def _check_own_gpu(module: torch.nn.Module, world: World) -> None:
                 "process's GPU) instead of another index, or turn capture off "
                 "(@distributed(capture=False), autoddp --no-capture)"
             )
+
+
+def _own_data_parallels(module: torch.nn.Module, world: World) -> None:
+    """Every ``nn.DataParallel`` in ``module`` runs on this process's own GPU only (one made before
+    the call, in the caller say, lists every GPU of the machine and expects its weights on cuda:0)."""
+    own = placement.own_gpu(world, torch.cuda.device_count())
+    if own is None:
+        return
+    for inner in module.modules():
+        if isinstance(inner, torch.nn.DataParallel) and inner.device_ids and inner.device_ids != [own]:
+            inner.device_ids, inner.output_device = [own], own  # its public attributes, as its
+            inner.src_device_obj = torch.device("cuda", own)  # __init__ sets them for one GPU
+            if world.rank == 0:
+                inside = "" if inner is module else f" inside {type(module).__name__}"
+                _warn.warn(
+                    f"nn.DataParallel{inside} now runs on each process's own GPU only (device_ids="
+                    "[local rank]): every process has one GPU, and DDP averages the gradients across them"
+                )
 
 
 def _batchnorm_hint(name: str, device: str) -> str:
