@@ -32,18 +32,9 @@ from typing import Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from autoddp import (
-    _compat,
-    _finished,
-    _worker,
-    capture,
-    environment,
-    hardware,
-    placement,
-    process_group,
-    transport,
-)
+from autoddp import _compat, _finished, _worker, capture, environment, hardware, process_group, transport
 from autoddp.hang import marks
+from autoddp.placement import own_gpu
 from autoddp.state import RunOptions, World
 
 
@@ -93,7 +84,7 @@ def _start_capture(capture_on: bool, options: RunOptions) -> capture.Session | N
     if world.world_size <= 1 or not capture_on:
         return None
     backend = process_group.resolve_backend(None, hardware.gpu_count())
-    own = placement.own_gpu(world, torch.cuda.device_count())
+    own = own_gpu(world, torch.cuda.device_count())
     if own is not None:
         torch.cuda.set_device(own)  # before the script touches CUDA
     script_world = _ScriptWorld(world, backend)
