@@ -44,6 +44,7 @@ from autoddp import (
     transport,
 )
 from autoddp.hang import marks
+from autoddp.placement import own_gpu
 from autoddp.state import RunOptions, World
 
 
@@ -96,6 +97,10 @@ def _start_capture(capture_on: bool, options: RunOptions) -> capture.Session | N
     backend = process_group.resolve_backend(None, hardware.gpu_count())
     if backend.use_cuda:
         torch.cuda.set_device(preflight.check(world))  # before the script touches CUDA (or NCCL)
+    else:
+        own = own_gpu(world, torch.cuda.device_count())  # gloo beside GPUs: the one its rank would take
+        if own is not None:
+            torch.cuda.set_device(own)
     script_world = _ScriptWorld(world, backend)
     session = capture.Session(options, join=script_world.join, planned=world)
     session.install()

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from autoddp import _compat, environment, transport
+from autoddp import _compat, environment, placement, transport
 from autoddp.errors import AutoDDPError
 from autoddp.running import Job, portable, run_in_world
 
@@ -39,11 +39,24 @@ def main() -> None:
     folder = sys.argv[1]
     _set_up_process()
     try:
-        job = transport.load_job(folder)  # pickled once for all attempts; the folder is this attempt's
+        own = _pin_own_gpu()  # before the job's CUDA tensors are restored (on the own GPU, not cuda:0)
+        where = None if own is None else placement.restore_cuda_on(own)
+        job = transport.load_job(folder, where)  # pickled once for all attempts; the folder is this attempt's
     except BaseException as exc:
         transport.save_error(folder, int(os.environ.get("RANK", "0")), exc)
         _leave(1)
     _leave(_execute(job, folder))
+
+
+def _pin_own_gpu() -> int | None:
+    """Make this worker's own GPU the current one before anything touches CUDA; its index.
+
+    Every CUDA context this process creates then lands on its own GPU, never on cuda:0.
+    """
+    own = placement.own_gpu(environment.detect().world(), torch.cuda.device_count())
+    if own is not None:
+        torch.cuda.set_device(own)
+    return own
 
 
 def _execute(job: Job, folder: str) -> int:
@@ -56,6 +69,8 @@ def _execute(job: Job, folder: str) -> int:
                 "CUDA was initialised in the calling process before the workers were forked; "
                 "use start_method='spawn' (or 'auto', which detects this)"
             )
+        if not _compat.cuda_in_bad_fork():
+            _pin_own_gpu()  # (forked workers too: a run on gloo beside GPUs computes there as well)
         result = run_in_world(job, world, finish=portable)
         if world.rank == 0:
             transport.save_result(folder, result, job.fn_name)

@@ -150,8 +150,8 @@ def _torch_dump(obj: Any, file: BinaryIO, pickle_module: type = _PickleModule) -
     torch.save(obj, file, pickle_module=pickle_module, pickle_protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _torch_load(file: str | BinaryIO) -> Any:
-    return torch.load(file, weights_only=False)
+def _torch_load(file: str | BinaryIO, map_location: Any = None) -> Any:
+    return torch.load(file, map_location=map_location, weights_only=False)
 
 
 # --- the job -------------------------------------------------------------------------------
@@ -189,10 +189,13 @@ def save_job(folder: str, payload: bytes) -> None:
     write_private(os.path.join(folder, _PAYLOAD), payload)
 
 
-def load_job(folder: str) -> Any:
-    """Load the job in a fresh worker, first giving it the caller's import path."""
+def load_job(folder: str, map_location: Any = None) -> Any:
+    """Load the job in a fresh worker, first giving it the caller's import path.
+
+    ``map_location``: where the caller's CUDA tensors go (the worker's own GPU, not cuda:0).
+    """
     sys.path[:] = json.loads(_read(os.path.join(folder, _PATH)))
-    return _torch_load(os.path.join(folder, _PAYLOAD))
+    return _torch_load(os.path.join(folder, _PAYLOAD), map_location)
 
 
 # --- rank 0's return value -----------------------------------------------------------------
@@ -212,10 +215,13 @@ def save_result(folder: str, value: Any, fn_name: str) -> None:
 
 
 def load_result(folder: str) -> Any:
+    """Rank 0's return value, every tensor on the CPU (``portable`` moved those it could reach;
+    one inside an object of the user's comes to the CPU here, so the caller never gets a CUDA
+    context it did not have, nor a tensor on a GPU it did not choose)."""
     path = os.path.join(folder, _RESULT)
     if not os.path.exists(path):
         return None
-    return _torch_load(path)
+    return _torch_load(path, "cpu")
 
 
 # --- errors --------------------------------------------------------------------------------

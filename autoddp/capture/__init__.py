@@ -36,7 +36,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader
 
 from autoddp import _compat, _warn, models
-from autoddp.capture import loaders, optimizers
+from autoddp.capture import devices, loaders, optimizers
 from autoddp.capture._notice import Notice, where
 from autoddp.capture._registry import DEPTH, Registry, user_site
 from autoddp.capture._undistributed import Undistributed, caller_site, candidate_roots, grad_versions
@@ -81,6 +81,7 @@ class Session:
         if planned is not None:
             self.notice = Notice(planned.rank, planned.world_size)
         self.passes = Passes()  # batches per pass of IterableDataset loaders: who ran out first
+        self.devices = devices.Devices(known, lambda: self.notice)  # cuda:0 habits: the own GPU
         if world is not None:
             self.world()
 
@@ -89,6 +90,7 @@ class Session:
     def install(self) -> None:
         CURRENT.capture = self
         self.registry.install()
+        self.devices.install()
         self._patch(torch.optim.Optimizer, "__init__", self._optimizer_init)
         self._patch(torch.optim.Optimizer, "add_param_group", self._add_param_group)
         self._patch(DataLoader, "__init__", self._loader_init)
@@ -114,6 +116,7 @@ class Session:
             handle.remove()
         self._handles = []
         self.registry.uninstall()
+        self.devices.uninstall()
         if CURRENT.capture is self:
             CURRENT.capture = None
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from autoddp import _compat, _warn
+from autoddp import _compat, _warn, placement
 from autoddp.errors import ConfigurationError
 from autoddp.models import _routing
 from autoddp.models.strategy import Strategy
@@ -227,6 +227,7 @@ def wrap_model(
     CURRENT.track(module, DDP)
     if not distributed:
         return module
+    _own_data_parallels(module, world)
     if not sync_batchnorm and world.rank == 0 and any(isinstance(m, _BATCHNORMS) for m in module.modules()):
         # (said by rank 0 only: every rank would say the same)
         _warn.warn(_batchnorm_hint(type(module).__name__, world.device))
@@ -237,15 +238,34 @@ def wrap_model(
 
 def _check_own_gpu(module: torch.nn.Module, world: World) -> None:
     """A module on a GPU other than this process's own cannot be trained here: say how to fix it."""
-    own = torch.device(world.device)
+    own = placement.own_gpu(world, torch.cuda.device_count())  # (beside the GPUs on gloo too)
     for tensor in (*module.parameters(), *module.buffers()):
-        if tensor.device.type == "cuda" and (own.type != "cuda" or tensor.device.index != own.index):
+        if tensor.device.type == "cuda" and tensor.device.index != own:
             raise ConfigurationError(
                 f"{type(module).__name__} sits on {tensor.device}, but this process (rank {world.rank}) "
-                f"computes on {world.device}: every process has its own GPU. Move the model with "
-                "device='cuda' or autoddp.device() (which mean this process's GPU) instead of a "
-                "fixed index, or turn capture off (@distributed(capture=False), autoddp --no-capture)"
+                f"computes on {'cpu' if own is None else f'cuda:{own}'}: every process has its own GPU. "
+                "Move the model with device='cuda', cuda:0 or autoddp.device() (which mean this "
+                "process's GPU) instead of another index, or turn capture off "
+                "(@distributed(capture=False), autoddp --no-capture)"
             )
+
+
+def _own_data_parallels(module: torch.nn.Module, world: World) -> None:
+    """Every ``nn.DataParallel`` in ``module`` runs on this process's own GPU only (one made before
+    the call, in the caller say, lists every GPU of the machine and expects its weights on cuda:0)."""
+    own = placement.own_gpu(world, torch.cuda.device_count())
+    if own is None:
+        return
+    for inner in module.modules():
+        if isinstance(inner, torch.nn.DataParallel) and inner.device_ids and inner.device_ids != [own]:
+            inner.device_ids, inner.output_device = [own], own  # its public attributes, as its
+            inner.src_device_obj = torch.device("cuda", own)  # __init__ sets them for one GPU
+            if world.rank == 0:
+                inside = "" if inner is module else f" inside {type(module).__name__}"
+                _warn.warn(
+                    f"nn.DataParallel{inside} now runs on each process's own GPU only (device_ids="
+                    "[local rank]): every process has one GPU, and DDP averages the gradients across them"
+                )
 
 
 def _batchnorm_hint(name: str, device: str) -> str:
