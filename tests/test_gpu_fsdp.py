@@ -153,3 +153,63 @@ def test_fp16_says_to_scale_and_grad_scaler_skips_the_same_steps_on_every_rank()
         # the step with an inf on one rank's shard is skipped on both, the scale halved on both
         assert seen == [(False, 512.0), (True, 512.0)]
         assert any("torch.amp.GradScaler" in n and "mixed_precision='bf16'" in n for n in notes), notes
+
+
+def _recording_host_copies(portable, folder):
+    """``running.portable`` that writes down, per rank, the bytes asked to go to host memory."""
+
+    from torch.distributed.tensor import DTensor
+
+    def record(value):
+        asked = []
+        cpu, to = torch.Tensor.cpu, torch.Tensor.to
+
+        def count(tensor):  # a host copy is of a plain tensor (a DTensor moved stays sharded)
+            if not isinstance(tensor, DTensor):
+                asked.append(tensor.numel() * tensor.element_size())
+
+        def to_host(self, *args, **kwargs):
+            count(self)
+            return cpu(self, *args, **kwargs)
+
+        def moved(self, *args, **kwargs):
+            target = kwargs.get("device", args[0] if args else None)
+            if isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu":
+                count(self)
+            return to(self, *args, **kwargs)
+
+        torch.Tensor.cpu, torch.Tensor.to = to_host, moved
+        try:
+            return portable(value)
+        finally:
+            torch.Tensor.cpu, torch.Tensor.to = cpu, to
+            (folder / f"host-copies-{autoddp.rank()}").write_text(str(sum(asked)))
+
+    return record
+
+
+def _train_and_return(start: dict) -> tuple:
+    model = Net()
+    model.load_state_dict(start)
+    model = autoddp.prepare(model)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    _steps(model, opt, *_batch(autoddp.rank()), 3)
+    weight = next(iter(model.state_dict().values()))  # a DTensor with FSDP
+    return model, {"weight": weight, "loss": torch.ones(256, 256)}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_only_rank_0_copies_the_result_to_host_memory(tmp_path, monkeypatch, strategy):
+    import autoddp._worker
+
+    recording = _recording_host_copies(autoddp._worker.portable, tmp_path)
+    monkeypatch.setattr(autoddp._worker, "portable", recording)
+    torch.manual_seed(0)
+    start = Net().state_dict()
+    model, extra = autoddp.distributed(nproc=2, strategy=strategy)(_train_and_return)(start)
+
+    reference = _reference(start, 3)
+    _close(model.state_dict(), reference)  # rank 0's model is the whole, trained one
+    torch.testing.assert_close(extra["weight"], next(iter(reference.values())), rtol=1e-5, atol=1e-5)
+    assert int((tmp_path / "host-copies-0").read_text()) >= 256 * 256 * 4
+    assert (tmp_path / "host-copies-1").read_text() == "0"  # rank 1 keeps nothing

@@ -299,11 +299,15 @@ class FSDPStrategy(Strategy):
     def load_state_dict(self, model: torch.nn.Module, state: Mapping[str, Any], strict: bool = True) -> Any:
         return load_full_state_dict(model, state, strict)
 
-    def portable(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Rank 0: the plain, unsharded model on the CPU (gathered; every rank takes part)."""
+    def portable(self, model: torch.nn.Module, keep: bool = True) -> torch.nn.Module:
+        """Rank 0: the plain, unsharded model on the CPU (gathered; every rank takes part).
+
+        torch gathers one tensor at a time on the device and copies it to the host on rank 0
+        only, so the other ranks (``keep=False``) hold nothing of it afterwards.
+        """
         full = full_state_dict(model)
         skeleton = model.__dict__.get(_SKELETON)
-        if CURRENT.world is None or CURRENT.world.rank != 0 or skeleton is None:
+        if not keep or skeleton is None or CURRENT.world is None or CURRENT.world.rank != 0:
             return model
         skeleton.load_state_dict(full, assign=True)
         return skeleton

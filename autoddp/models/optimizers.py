@@ -31,13 +31,18 @@ def parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def full_tensors(obj: Any) -> Any:
-    """``obj`` with every DTensor in it gathered into a plain CPU tensor (every rank calls it)."""
+def full_tensors(obj: Any, to_host: bool = True) -> Any:
+    """``obj`` with every DTensor in it gathered into a plain CPU tensor (every rank calls it).
+
+    ``to_host=False``: gathered only for the collective's sake, left on the device (a rank whose
+    copy nobody reads).
+    """
     if _is_dtensor(obj):
-        return obj.full_tensor().cpu()
+        full = obj.full_tensor()
+        return full.cpu() if to_host else full
     if isinstance(obj, torch.Tensor):
         return obj
-    return _containers.map_items(obj, full_tensors)
+    return _containers.map_items(obj, lambda item: full_tensors(item, to_host))
 
 
 def state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
