@@ -72,8 +72,15 @@ def _meta_run(path: str) -> tuple:
     big.load_state_dict(state["model"])
     loaded = _status("VmHWM") - base
     same = all(torch.equal(v.full_tensor(), state["model"][k]) for k, v in big.state_dict().items())
+    try:  # a key too many: the same error on every rank, not on rank 0 alone
+        big.load_state_dict({**state["model"], "extra": torch.ones(1)})
+        refused = ""
+    except RuntimeError as error:
+        refused = str(error)
     facts = [None, None]
-    dist.all_gather_object(facts, {"built": built, "local": local, "mapped": mapped, "loaded": loaded})
+    dist.all_gather_object(
+        facts, {"built": built, "local": local, "mapped": mapped, "loaded": loaded, "refused": refused}
+    )
     return model, (other_state, alone_state), facts, same
 
 
@@ -94,6 +101,7 @@ def test_a_meta_built_model_shards_first_trains_like_one_process_and_loads_a_ful
     _close(alone_state, Net().state_dict())  # built on rank 0 alone, shards sent to the others
     assert same  # the full checkpoint landed in the shards
     for rank, fact in enumerate(facts):
+        assert "unexpected keys ['extra']" in fact.pop("refused"), rank
         assert fact["local"] == pytest.approx(total / 2, rel=0.01), rank  # half of every parameter
     one = facts[1]  # rank 1 never holds the whole model: its shards plus about one tensor
     assert one["built"] < 0.75 * total, one

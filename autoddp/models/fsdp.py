@@ -225,6 +225,14 @@ def load_full_state_dict(model: torch.nn.Module, state: Mapping[str, Any], stric
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    if strict:  # checked on every rank alike (rank 0's dict alone would fail there only)
+        expected = set(model.state_dict())  # (FSDP2's is local: no collective)
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(model).__name__}: missing keys {missing}, "
+                f"unexpected keys {unexpected}; pass strict=False to load the matching keys only"
+            )
     own = dict(state) if dist.get_rank() == 0 else {}
     return set_model_state_dict(
         model, own, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
