@@ -120,11 +120,16 @@ def test_a_meta_built_module_without_reset_parameters_is_refused():
     assert _start.is_meta(model) and not _start.is_meta(nn.Linear(2, 2))
     with pytest.raises(ConfigurationError, match="Scale has no reset_parameters"):
         _start.check_initialisable(model)
+
+    def layers() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.MultiheadAttention(4, 2))
+
     torch.manual_seed(3)
     with torch.device("meta"):
-        built = _start.initialise_on_cpu(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))
+        meta = layers()
+    built = _start.initialise_on_cpu(meta)
     torch.manual_seed(3)
-    _close(built.state_dict(), nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)).state_dict())
+    _close(built.state_dict(), layers().state_dict())  # one process's weights, same seed
 
 
 @autoddp.distributed(nproc=2, strategy="fsdp", mixed_precision="fp16")

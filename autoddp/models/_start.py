@@ -8,9 +8,10 @@ no rank's device holds more than its shards plus one full tensor.
 
 A model built on the meta device (``with torch.device("meta"): model = Net()``) holds no memory.
 It is sharded as it is, ``to_empty`` gives every rank room for its shards only, and rank 0 makes
-the weights one process would have made: a copy built on the CPU (host memory) whose modules,
-in ``modules()`` order, each run their ``reset_parameters()``, which is what their constructors
-ran, so the same seed gives the same weights as ``Net()`` in one process. A model built on rank 0
+the weights one process would have made: a copy built on the CPU (host memory) whose modules
+each run their ``reset_parameters()``, children before their parent (the order constructors
+run them: ``MultiheadAttention`` resets itself after building ``out_proj``), so the same seed
+gives the same weights as ``Net()`` in one process. A model built on rank 0
 alone (``with torch.device("cpu" if autoddp.rank() == 0 else "meta")``) sends rank 0's weights.
 """
 
@@ -65,10 +66,23 @@ def initialise_on_cpu(module: torch.nn.Module) -> torch.nn.Module:
     check_initialisable(module)
     module.to_empty(device="cpu")
     with torch.no_grad():
-        for sub in module.modules():
+        for sub in _children_first(module):
             if _own_tensors(sub):
                 _reset(sub)()
     return module
+
+
+def _children_first(module: torch.nn.Module, seen: set[int] | None = None) -> list[torch.nn.Module]:
+    """Every submodule once, each after its children (a module's constructor builds them first)."""
+    seen = set() if seen is None else seen
+    order: list[torch.nn.Module] = []
+    if id(module) in seen:
+        return order
+    seen.add(id(module))
+    for child in module.children():
+        order.extend(_children_first(child, seen))
+    order.append(module)
+    return order
 
 
 def rank0_state(module: torch.nn.Module, rank: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
