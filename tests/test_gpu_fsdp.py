@@ -40,6 +40,26 @@ def _reset_peak() -> int:
     return _status("VmHWM")
 
 
+def _bytes_moved_to_a_device(fn) -> int:
+    """Bytes of plain tensors that ``fn`` asks ``Tensor.to`` to put on a device (each rank's own)."""
+    from torch.distributed.tensor import DTensor
+
+    to, asked = torch.Tensor.to, []
+
+    def moved(self, *args, **kwargs):
+        target = kwargs.get("device", args[0] if args else None)
+        if isinstance(target, (str, torch.device)) and not isinstance(self, DTensor):
+            asked.append(self.numel() * self.element_size())
+        return to(self, *args, **kwargs)
+
+    torch.Tensor.to = moved
+    try:
+        fn()
+    finally:
+        torch.Tensor.to = to
+    return sum(asked)
+
+
 @autoddp.distributed(nproc=2, strategy="fsdp")
 def _meta_run(path: str) -> tuple:
     import torch.distributed.checkpoint.state_dict  # (its code pages are not measured)
@@ -49,6 +69,13 @@ def _meta_run(path: str) -> tuple:
         model = Net()
     opt = torch.optim.Adam(model.parameters(), lr=LR)  # capture shards it, rank 0 makes the weights
     _steps(model, opt, *_batch(autoddp.rank()), 3)
+
+    autoddp.save({"optimizer": opt}, f"{path}.opt")
+    full_state = torch.load(f"{path}.opt")["optimizer"]["state"]
+    full_bytes = sum(v.numel() * v.element_size() for s in full_state.values() for v in s.values() if v.dim())
+    saved = autoddp.load(f"{path}.opt")
+    moved = _bytes_moved_to_a_device(lambda: opt.load_state_dict(saved["optimizer"]))
+    _steps(model, opt, *_batch(autoddp.rank()), 1)  # Adam goes on from the loaded state
 
     torch.manual_seed(autoddp.rank() + 5)  # ranks seeded differently build different weights
     other = autoddp.prepare(Net())
@@ -79,7 +106,9 @@ def _meta_run(path: str) -> tuple:
         refused = str(error)
     facts = [None, None]
     dist.all_gather_object(
-        facts, {"built": built, "local": local, "mapped": mapped, "loaded": loaded, "refused": refused}
+        facts,
+        {"built": built, "local": local, "mapped": mapped, "loaded": loaded, "refused": refused}
+        | {"optimizer moved": moved / full_bytes},
     )
     return model, (other_state, alone_state), facts, same
 
@@ -94,7 +123,7 @@ def test_a_meta_built_model_shards_first_trains_like_one_process_and_loads_a_ful
     model, (other_state, alone_state), facts, same = _meta_run(path)
 
     torch.manual_seed(0)
-    _close(model.state_dict(), _reference(Net().state_dict(), 3))  # meta-built: one process's weights
+    _close(model.state_dict(), _reference(Net().state_dict(), 4))  # meta-built: one process's weights
     torch.manual_seed(5)
     _close(other_state, Net().state_dict())  # every rank starts from rank 0's weights
     torch.manual_seed(2)
@@ -102,6 +131,7 @@ def test_a_meta_built_model_shards_first_trains_like_one_process_and_loads_a_ful
     assert same  # the full checkpoint landed in the shards
     for rank, fact in enumerate(facts):
         assert "unexpected keys ['extra']" in fact.pop("refused"), rank
+        assert fact["optimizer moved"] <= 0.55, rank  # a full optimizer state: only its shards move
         assert fact["local"] == pytest.approx(total / 2, rel=0.01), rank  # half of every parameter
     one = facts[1]  # rank 1 never holds the whole model: its shards plus about one tensor
     assert one["built"] < 0.75 * total, one
