@@ -67,6 +67,9 @@ def load(path: str | os.PathLike[str], default: Any = _MISSING, *, weights_only:
     fresh), else raise ``FileNotFoundError``. ``weights_only`` is passed to ``torch.load``: set it
     to False only for checkpoints you trust that hold objects other than tensors and containers.
     A folder written by ``save(..., sharded=True)`` loads on any world size (``autoddp.sharded``).
+    With ``strategy="fsdp"`` and several processes, a file's tensors come back memory-mapped on
+    the CPU (``torch.load(mmap=True)``): loading them into the sharded model reads them on rank
+    0 only, so no rank holds the whole model (move other tensors with ``.to(device)``).
     """
     path = os.fspath(path)
     if os.path.isdir(path):
@@ -75,6 +78,8 @@ def load(path: str | os.PathLike[str], default: Any = _MISSING, *, weights_only:
         if distributed_checkpoint.is_checkpoint(path):
             return distributed_checkpoint.load(path)
     try:
+        if _sharding_run():
+            return _load_mapped(path, weights_only)
         return torch.load(path, map_location=device(), weights_only=weights_only)
     except FileNotFoundError:
         if default is not _MISSING:
@@ -85,6 +90,35 @@ def load(path: str | os.PathLike[str], default: Any = _MISSING, *, weights_only:
             f"use autoddp.load({path!r}, default=None)",
             path,
         ) from None
+
+
+def _sharding_run() -> bool:
+    """True in a world of several processes that shards its models (strategy='fsdp')."""
+    from autoddp.state import CURRENT
+
+    world = CURRENT.world
+    return world is not None and world.world_size > 1 and CURRENT.options.strategy == "fsdp"
+
+
+def _load_mapped(path: str, weights_only: bool) -> Any:
+    """The checkpoint's tensors memory-mapped on the CPU: nothing is read until it is used.
+
+    A full checkpoint loaded into a sharded model is read by rank 0 alone (which broadcasts one
+    tensor at a time); the other ranks never read those tensors, so none holds the whole model.
+    """
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+    except RuntimeError as error:
+        if "mmap" not in str(error):
+            raise
+    from autoddp import _warn
+
+    _warn.warn(
+        f"autoddp.load({path!r}): this file is in torch's legacy format, which cannot be memory-mapped, "
+        "so every rank reads it whole into host memory; save it again with torch.save (or autoddp.save) "
+        "to load it in shards"
+    )
+    return torch.load(path, map_location="cpu", weights_only=weights_only)
 
 
 def _write(state: Any, path: str) -> None:

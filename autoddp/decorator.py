@@ -221,8 +221,11 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     ``strategy="fsdp"`` shards models with FSDP2 instead of replicating them with DDP (each
     rank holds a share of the parameters, gradients and optimizer state); ``fsdp_blocks``
     names the module classes that get their own shard unit (autoddp chooses otherwise),
-    ``mixed_precision="bf16"`` computes in bf16 with float32 gradient reduction, and
-    ``cpu_offload=True`` keeps the shards on the CPU.
+    ``mixed_precision="bf16"`` computes in bf16 with float32 gradient reduction (``"fp16"``
+    too, with ``torch.amp.GradScaler`` in the loop), and ``cpu_offload=True`` keeps the shards on
+    the CPU. Every rank starts from rank 0's weights; a model built on the meta device
+    (``with torch.device("meta"): model = Net()``) is sharded before it gets memory, and rank 0
+    makes its weights (``reset_parameters()``), as one process with the same seed would.
 
     ``hang_report``: when some ranks have waited in a collective (or for rank 0's ``rank0()``
     block) this many seconds while others are elsewhere, the console says which ranks wait,

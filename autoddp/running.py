@@ -85,10 +85,19 @@ def _where(fn: Callable[..., Any]) -> tuple[str, int] | None:
 def portable(value: Any) -> Any:
     """``value`` fit for another process: tensors detached on the CPU, models plain on the CPU.
 
-    A sharded tensor (FSDP's DTensor, in a state dict say) is gathered whole: every rank calls this.
+    Only rank 0's result travels, so only rank 0 copies anything to host memory; every other
+    rank takes part in the collectives that rank 0's copy needs (a sharded model or tensor is
+    gathered whole, in the same order on every rank) and keeps nothing: its own value comes back
+    unchanged. Every rank calls this.
     """
+    world = CURRENT.world
+    return _portable(value, keep=world is None or world.rank == 0)
+
+
+def _portable(value: Any, keep: bool) -> Any:
     if isinstance(value, torch.Tensor):
-        return model_optimizers.full_tensors(value.detach()).cpu()
+        gathered = model_optimizers.full_tensors(value.detach(), to_host=keep)
+        return gathered.cpu() if keep else value
     if isinstance(value, torch.nn.Module):
-        return models.portable(value)
-    return _containers.map_items(value, portable)
+        return models.portable(value, keep=keep)
+    return _containers.map_items(value, lambda item: _portable(item, keep))

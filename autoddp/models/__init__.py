@@ -80,10 +80,13 @@ def load_state_dict(model: torch.nn.Module, state: Mapping[str, Any], strict: bo
     return strategy_of(model).load_state_dict(model, state, strict=strict)
 
 
-def portable(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` plain on the CPU, fit to travel to another process (every rank calls it)."""
+def portable(model: torch.nn.Module, keep: bool = True) -> torch.nn.Module:
+    """``model`` plain on the CPU, fit to travel to another process (every rank calls it).
+
+    ``keep=False``: this rank's copy is not wanted; it takes part in the collectives only.
+    """
     model = unwrap(model)
-    return strategy_of(model).portable(model)
+    return strategy_of(model).portable(model, keep=keep)
 
 
 def ddp_in_charge(model: torch.nn.Module) -> bool:

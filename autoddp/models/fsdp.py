@@ -21,7 +21,7 @@ import torch
 
 from autoddp import _compat, _warn, hardware
 from autoddp.errors import ConfigurationError
-from autoddp.models import _reads, _routing
+from autoddp.models import _reads, _routing, _start
 from autoddp.models.strategy import Strategy
 from autoddp.state import CURRENT, RunOptions, World
 
@@ -34,6 +34,14 @@ _PRECISIONS = {
     "fp16": torch.float16,
     "float16": torch.float16,
 }
+
+#: Said when a model is sharded with mixed_precision="fp16".
+_FP16_NOTE = (
+    "mixed_precision='fp16' computes in float16, whose small gradients underflow to zero unless the "
+    "loss is scaled: use torch.amp.GradScaler as on one GPU (scaler.scale(loss).backward(); "
+    "scaler.step(opt); scaler.update(); it works on the sharded gradients, every rank skipping the "
+    "same steps), or mixed_precision='bf16', which needs no scaling"
+)
 
 
 def fsdp_api() -> Any:
@@ -135,6 +143,11 @@ def wrap_model(
     module: torch.nn.Module, world: World, options: RunOptions, *, move: bool = True
 ) -> torch.nn.Module:
     """Shard ``module`` across ``world`` with FSDP2; with one process, only move it (and say so)."""
+    with _start.outside_meta():
+        return _wrap_model(module, world, options, move=move)
+
+
+def _wrap_model(module: torch.nn.Module, world: World, options: RunOptions, *, move: bool) -> torch.nn.Module:
     fsdp = fsdp_api()
     compiled = _compat.compiled_parts(module)
     if compiled is not None:
@@ -144,20 +157,26 @@ def wrap_model(
         module = inner
     if isinstance(module, fsdp.FSDPModule):
         return module
-    if move:
-        module = module.to(world.device)
-    if world.world_size == 1:
-        _warn.warn(
-            "strategy='fsdp' with one process: there is nothing to shard across, so the model runs "
-            "unsharded (as with strategy='ddp')"
-        )
+    meta = _start.is_meta(module)
+    trainable = any(p.requires_grad for p in module.parameters())
+    if world.world_size == 1 or not trainable:  # nothing to shard
+        if meta:
+            module = _start.initialise_on_cpu(module)  # one process's weights, in place
+        if move or meta:
+            module = module.to(world.device)
+        if world.world_size == 1:
+            _warn.warn(
+                "strategy='fsdp' with one process: there is nothing to shard across, so the model runs "
+                "unsharded (as with strategy='ddp')"
+            )
+        else:
+            _warn.warn(
+                f"{type(module).__name__} has no trainable parameters: strategy='fsdp' leaves it "
+                "unsharded (nothing to train, no gradients to shard)"
+            )
         return module
-    if not any(p.requires_grad for p in module.parameters()):
-        _warn.warn(
-            f"{type(module).__name__} has no trainable parameters: strategy='fsdp' leaves it unsharded "
-            "(nothing to train, no gradients to shard)"
-        )
-        return module
+    # Not moved first: fully_shard moves each unit to this process's device as it shards it, so
+    # the device holds the shards plus one unit, never the whole model (``move`` changes nothing).
     skeleton = _skeleton(module)
     if world.device == "cpu" and not options.cpu_offload:
         hardware.return_freed_memory_at_once()  # else the heap keeps every unit's freed buffers
@@ -171,9 +190,17 @@ def wrap_model(
         kwargs["mp_policy"] = policy
     if offload is not None:
         kwargs["offload_policy"] = offload
+    if dtype == torch.float16:
+        _warn.warn(_FP16_NOTE)
+    state, loose = _start.rank0_state(module, world.rank)  # rank 0's weights go to every rank
     for unit in units(module, tuple(options.fsdp_blocks)):
         fsdp.fully_shard(unit, **kwargs)
     fsdp.fully_shard(module, **kwargs)
+    if meta:
+        _start.start(module, state, loose, "cpu" if options.cpu_offload else world.device, world.device)
+    else:
+        _start.start(module, state, loose)
+    del state, loose
     _routing.swap_class(module, _sharded_class(type(module)))
     object.__setattr__(module, _SKELETON, skeleton)
     _reads.install()  # w.norm().item() and the like: the full tensor's values, never a shard's
@@ -189,11 +216,26 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, Any]:
 
 
 def load_full_state_dict(model: torch.nn.Module, state: Mapping[str, Any], strict: bool = True) -> Any:
-    """Scatter a full, plain state dict (every rank has it) to the model's shards."""
+    """Load a full, plain state dict (every rank passes one) into the model's shards: rank 0's values.
+
+    Rank 0 broadcasts one tensor at a time and each rank keeps its slice, so the other ranks never
+    read theirs (``autoddp.load`` maps a file's tensors: only rank 0 reads it) and no device holds
+    more than its shards plus one full tensor, as DDP starts from rank 0's weights.
+    """
+    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    if strict:  # checked on every rank alike (rank 0's dict alone would fail there only)
+        expected = set(model.state_dict())  # (FSDP2's is local: no collective)
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(model).__name__}: missing keys {missing}, "
+                f"unexpected keys {unexpected}; pass strict=False to load the matching keys only"
+            )
+    own = dict(state) if dist.get_rank() == 0 else {}
     return set_model_state_dict(
-        model, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict)
+        model, own, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
     )
 
 
@@ -265,11 +307,15 @@ class FSDPStrategy(Strategy):
     def load_state_dict(self, model: torch.nn.Module, state: Mapping[str, Any], strict: bool = True) -> Any:
         return load_full_state_dict(model, state, strict)
 
-    def portable(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Rank 0: the plain, unsharded model on the CPU (gathered; every rank takes part)."""
+    def portable(self, model: torch.nn.Module, keep: bool = True) -> torch.nn.Module:
+        """Rank 0: the plain, unsharded model on the CPU (gathered; every rank takes part).
+
+        torch gathers one tensor at a time on the device and copies it to the host on rank 0
+        only, so the other ranks (``keep=False``) hold nothing of it afterwards.
+        """
         full = full_state_dict(model)
         skeleton = model.__dict__.get(_SKELETON)
-        if CURRENT.world is None or CURRENT.world.rank != 0 or skeleton is None:
+        if not keep or skeleton is None or CURRENT.world is None or CURRENT.world.rank != 0:
             return model
         skeleton.load_state_dict(full, assign=True)
         return skeleton

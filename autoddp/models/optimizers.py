@@ -31,13 +31,18 @@ def parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def full_tensors(obj: Any) -> Any:
-    """``obj`` with every DTensor in it gathered into a plain CPU tensor (every rank calls it)."""
+def full_tensors(obj: Any, to_host: bool = True) -> Any:
+    """``obj`` with every DTensor in it gathered into a plain CPU tensor (every rank calls it).
+
+    ``to_host=False``: gathered only for the collective's sake, left on the device (a rank whose
+    copy nobody reads).
+    """
     if _is_dtensor(obj):
-        return obj.full_tensor().cpu()
+        full = obj.full_tensor()
+        return full.cpu() if to_host else full
     if isinstance(obj, torch.Tensor):
         return obj
-    return _containers.map_items(obj, full_tensors)
+    return _containers.map_items(obj, lambda item: full_tensors(item, to_host))
 
 
 def state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -74,8 +79,6 @@ def _into_shards(optimizer: torch.optim.Optimizer, state: Any) -> Any:
         finally:
             _LOADING.active = False
         return optimizer.state_dict()
-    from torch.distributed.tensor import distribute_tensor
-
     params = parameters(optimizer)
     cut: dict[Any, Any] = {}
     for key, values in state.get("state", {}).items():
@@ -84,11 +87,29 @@ def _into_shards(optimizer: torch.optim.Optimizer, state: Any) -> Any:
             cut[key] = values
             continue
         cut[key] = {
-            name: distribute_tensor(
-                v.to(param.device), param.device_mesh, param.placements, src_data_rank=None
-            )
+            name: shard_of(v, param)
             if isinstance(v, torch.Tensor) and not _is_dtensor(v) and v.shape == param.shape
             else v
             for name, v in values.items()
         }
     return {**state, "state": cut}
+
+
+def shard_of(full: torch.Tensor, param: Any) -> Any:
+    """This rank's part of ``full``, laid out as the sharded ``param``; only that part goes to the device.
+
+    FSDP2 shards dim 0 in ``torch.chunk``'s pieces (``Shard(0)`` on a one-dimensional mesh): the
+    piece is cut where ``full`` lies (a memory-mapped checkpoint is read for it alone) and moved,
+    so the device never holds the full tensor. Other layouts go through ``distribute_tensor``.
+    """
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh, placements = param.device_mesh, param.placements
+    if mesh.ndim != 1 or placements != (Shard(0),):
+        return distribute_tensor(full.to(param.device), mesh, placements, src_data_rank=None)
+    pieces = torch.chunk(full, mesh.size(), dim=0)
+    rank = mesh.get_local_rank()
+    piece = pieces[rank] if rank < len(pieces) else full.new_empty((0, *full.shape[1:]))
+    return DTensor.from_local(
+        piece.to(param.device), mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
+    )

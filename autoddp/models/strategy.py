@@ -47,9 +47,13 @@ class Strategy:
         """Load a full, plain state dict into the model."""
         return self.unwrap(model).load_state_dict(state, strict=strict)
 
-    def portable(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The model fit to travel to another process: plain, on the CPU. Every rank calls it."""
-        return self.unwrap(model).cpu()
+    def portable(self, model: torch.nn.Module, keep: bool = True) -> torch.nn.Module:
+        """The model fit to travel to another process: plain, on the CPU. Every rank calls it.
+
+        ``keep=False`` (a rank whose result does not travel): only the collectives a copy on
+        another rank needs, no copy here; the model comes back as it is.
+        """
+        return self.unwrap(model).cpu() if keep else model
 
 
 #: What a module nobody wrapped gets.
