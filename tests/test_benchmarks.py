@@ -181,3 +181,21 @@ def test_capture_hooks_measures_every_piece_and_prints_json():
         "sharded_sampler_us_per_batch",
         "distributed_sampler_us_per_batch",
     }
+
+
+def test_step_overhead_measures_three_sizes_against_ddp_and_prints_json():
+    tiny = ["--sizes", "4,40,400", "--pairs", "2", "--steps", "1"]
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "step_overhead.py"), *tiny],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout.splitlines()[-1])
+    assert [figures[size]["parameter_tensors"] for size in ("4", "40", "400")] == [4, 40, 400]
+    for size in ("4", "40", "400"):
+        assert figures[size]["ratio"] > 0 and 0 < figures[size]["check_us"] < 50
+        assert {"added_us_per_step", "ddp_ms_per_step", "watchers_us_per_step"} <= set(figures[size])
+    # the check before a forward does not grow with the parameters (a walk: ~100x from 4 to 400)
+    assert figures["check_flat"] < 5, figures
