@@ -43,7 +43,7 @@ def test_gpu_check_skips_cleanly_without_cuda(monkeypatch, capsys):
     gpu_check = load("gpu_check")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert gpu_check.main([]) == 0
-    assert capsys.readouterr().out.strip() == "gpu_check: no CUDA device, skipped"
+    assert json.loads(capsys.readouterr().out) == {"skipped": "no CUDA device, skipped"}
 
 
 def test_gpu_check_script_exits_0_without_cuda():
@@ -55,7 +55,7 @@ def test_gpu_check_script_exits_0_without_cuda():
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "gpu_check: no CUDA device, skipped"
+    assert json.loads(result.stdout) == {"skipped": "no CUDA device, skipped"}
 
 
 # --- run.py -------------------------------------------------------------------------------
