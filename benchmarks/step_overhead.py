@@ -110,8 +110,8 @@ def measure(sizes: list[int], pairs: int, steps: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="30,300,3000", help="parameter tensors per model, comma-separated")
-    parser.add_argument("--pairs", type=int, default=40, help="timed block pairs per size")
-    parser.add_argument("--steps", type=int, default=5, help="steps per timed block")
+    parser.add_argument("--pairs", type=int, default=20, help="timed block pairs per size")
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed block")
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args(argv)
     sizes = [int(size) for size in args.sizes.split(",")]

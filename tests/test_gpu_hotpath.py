@@ -62,6 +62,22 @@ def _check_cost(tensors: int) -> float:
     return min(timeit.repeat(lambda: replica.for_call(model), number=200, repeat=5)) / 200 * 1e6
 
 
+def _watchers() -> dict:
+    """Which submodules count calls made beside the DDP: only those of a model an optimizer's guard reads."""
+    from autoddp.models import _averaging
+
+    prepared = autoddp.prepare(_layers())
+    _averaged(prepared, torch.float32)
+    guarded = autoddp.prepare(_layers())
+    _averaging.guard(torch.optim.SGD(guarded.parameters(), lr=0.1), [guarded])  # what capture does
+    guarded[1] = nn.Linear(4, 4)  # (a rebuilt DDP keeps them)
+    _averaged(guarded, torch.float32)
+    return {
+        "prepared": ["forward" in layer.__dict__ for layer in prepared],
+        "guarded": ["forward" in layer.__dict__ for layer in guarded],
+    }
+
+
 def _changes_and_cost() -> dict:
     results = {}
 
@@ -115,6 +131,7 @@ def _changes_and_cost() -> dict:
     change("a layer deleted", drop_layer)
     change("double() making new Parameters", convert_to_new_parameters, torch.float64)
     results["compat"] = _compat_counts()
+    results["watchers"] = _watchers()
     results["check_us"] = {tensors: _check_cost(tensors) for tensors in (30, 3000)}
     return results
 
@@ -123,6 +140,8 @@ def test_every_change_is_seen_and_the_check_does_not_grow_with_the_parameters():
     results = autoddp.distributed(nproc=2, backend="gloo", capture=False)(_changes_and_cost)()
     costs = results.pop("check_us")
     compat = results.pop("compat")
+    # a submodule's call costs the plain call unless the optimizer's guard reads its counts
+    assert results.pop("watchers") == {"prepared": [False] * 3, "guarded": [True] * 3}
     assert compat.pop("plain tensor") == 0 and compat.pop("watched") == [True, False], compat
     assert all(compat.values()), compat  # every hooked internal still reports its change
     assert results == dict.fromkeys(results, "averaged"), results

@@ -80,6 +80,9 @@ class Replica:
         self.forwards = 0
         #: Backward passes through submodules called outside the DDP's forward (``_routing.watch``).
         self.bypasses = 0
+        #: Whether the submodules count those passes: only for an optimizer's guard, the one reader
+        #: (``_averaging``); without one, a submodule's call costs nothing more than the plain call.
+        self.watched = False
         self.inside = False  # while the DDP's forward runs
         self.lazy = _has_lazy_parameters(module)
         if not self.lazy:
@@ -93,7 +96,8 @@ class Replica:
         params = list(module.parameters())
         self.signature = [(p, p.dtype, p.device, p.requires_grad) for p in params]
         self.look_always = not all(_compat.parameter_changes_watched(p) for p in params)
-        _routing.watch(module, self)  # submodules called beside the DDP (``model.encoder(x)``)
+        if self.watched:
+            _routing.watch(module, self)  # submodules called beside the DDP (``model.encoder(x)``)
         if not any(p.requires_grad for p in params):
             return  # nothing to synchronise (yet)
         device = next((p.device for p in params if p.requires_grad), torch.device("cpu"))
@@ -142,6 +146,11 @@ class Replica:
             if p.device != device:
                 return True
         return False
+
+    def watch_submodules(self, module: torch.nn.Module) -> None:
+        """Count backward passes through submodules called beside the DDP, from now on (the guard's)."""
+        self.watched = True
+        _routing.watch(module, self)
 
     def count_bypass(self, grad: torch.Tensor) -> None:
         """A backward reached the output of a submodule called outside the DDP (a tensor hook)."""
