@@ -58,6 +58,26 @@ def test_gpu_check_script_exits_0_without_cuda():
     assert json.loads(result.stdout) == {"skipped": "no CUDA device, skipped"}
 
 
+def test_gpu_check_one_gpu_path_runs_on_a_gloo_group_of_one():
+    """The one-GPU lease's path (a real group of one rank, autoddp wrapping as with two), on CPU."""
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_check.py"), "--cpu", "--one", "--no-compile"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    document = json.loads(result.stdout)
+    checks = {c["name"]: c for c in document["checks"]}
+    assert document["ok"] and document["failed"] == []
+    expected = {"gloo group of one", "ddp", "ddp amp", "ddp rebuilt after model.double()", "fsdp"}
+    assert expected <= set(checks)
+    assert all(set(c) == {"name", "ok", "details", "seconds"} for c in checks.values())
+    assert checks["ddp"]["details"]["weights equal to hand-written DDP's"] is True
+    assert checks["fsdp"]["details"]["DTensor parameters"] == 4  # sharded over the group of one
+    assert checks["hang marks on a CUDA stream"]["ok"] is None  # "not available" until item 3
+
+
 # --- run.py -------------------------------------------------------------------------------
 
 
