@@ -136,3 +136,74 @@ def collectives_issued() -> int:
 def batches_drawn(iterator: Any) -> int:
     """How many batches a DataLoader's iterator has yielded in its current pass."""
     return int(_need(iterator, "_num_yielded", "to count the batches of a DataLoader's pass"))
+
+
+#: The marker left on ``torch.nn.Parameter`` once ``watch_parameter_changes`` patched it.
+PARAMETER_WATCH = "_autoddp_watched"
+
+
+def watch_parameter_changes(changed: Any) -> None:
+    """Call ``changed()`` after every change a module's parameters can undergo outside a registration.
+
+    Parameter registrations are seen through torch's public global hooks; what they do not see is
+    hooked here, once per process: ``Parameter.data = ...`` and ``requires_grad`` (setters of
+    ``torch._C.TensorBase``'s descriptors), ``requires_grad_()`` and ``detach_()`` (which clears
+    ``requires_grad``), ``Module._apply`` (``.to()``, ``.half()``, ``.cuda()``: it may put a new
+    ``Parameter`` straight into ``_parameters``), ``register_parameter(name, None)`` and
+    ``__delattr__`` (parameters or submodules removed), and ``torch.utils.swap_tensors``. A read
+    from Python still gets torch's own C getter, through a property (about 80 ns more); torch's
+    C++ code (autograd, DDP's reducer, foreach kernels) reads the fields directly.
+    """
+    parameter = torch.nn.Parameter
+    if PARAMETER_WATCH in parameter.__dict__:
+        return
+    base = _need(torch._C, "TensorBase", "to see parameters change")
+    descriptors = {name: base.__dict__.get(name) for name in ("data", "requires_grad")}
+    for name, descriptor in descriptors.items():
+        if type(descriptor).__name__ != "getset_descriptor" or name in parameter.__dict__:
+            raise TorchCompatibilityError(
+                f"autoddp needs torch._C.TensorBase.{name} to be the C attribute that nn.Parameter "
+                f"inherits (to see parameters change), and torch {torch.__version__} changed it. Use a "
+                "torch version autoddp supports, or report it to autoddp with this message"
+            )
+
+    def setter(descriptor: Any) -> Any:
+        def set_and_say(self: torch.Tensor, value: Any) -> None:
+            descriptor.__set__(self, value)
+            changed()
+
+        return set_and_say
+
+    def after(method: Any) -> Any:
+        def call_and_say(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(*args, **kwargs)
+            finally:
+                changed()
+
+        call_and_say.__name__ = call_and_say.__qualname__ = method.__name__
+        call_and_say.__doc__ = method.__doc__
+        return call_and_say
+
+    for name, descriptor in descriptors.items():
+        setattr(parameter, name, property(descriptor.__get__, setter(descriptor), doc=descriptor.__doc__))
+    parameter.requires_grad_ = after(_need(base, "requires_grad_", "to see parameters frozen"))
+    parameter.detach_ = after(_need(base, "detach_", "to see parameters frozen"))
+    module = torch.nn.Module
+    for name in ("_apply", "register_parameter", "__delattr__"):
+        setattr(module, name, after(_need(module, name, "to see a module's parameters change")))
+    torch.utils.swap_tensors = after(_need(torch.utils, "swap_tensors", "to see parameters swapped"))
+    setattr(parameter, PARAMETER_WATCH, True)
+
+
+def parameter_changes_watched(parameter: Any) -> bool:
+    """Whether every change of ``parameter`` reaches ``watch_parameter_changes``'s callback.
+
+    True for ``nn.Parameter`` and its subclasses that keep the hooked attributes; False for a
+    tensor subclass made a parameter (``Parameter(subclass)`` returns the subclass) or a class
+    overriding one of them: their changes must be looked for.
+    """
+    cls = type(parameter)
+    watched = torch.nn.Parameter.__dict__
+    hooked = ("data", "requires_grad", "requires_grad_", "detach_")
+    return PARAMETER_WATCH in watched and all(getattr(cls, name, None) is watched[name] for name in hooked)

@@ -69,6 +69,8 @@ class Run:
         self.seeds: tuple[int, int] | None = None
         #: The capture session while the user's code runs with capture on (``autoddp.capture``).
         self.capture: Any = None
+        #: Events that can have changed a wrapped model's parameters (``models.ddp``: checked per forward).
+        self.parameter_events = 0
         #: Models wrapped in each joined world, innermost last (weakly: a model may go).
         self._wrapped: list[weakref.WeakKeyDictionary[Any, Releasing]] = []
 

@@ -43,7 +43,7 @@ def test_gpu_check_skips_cleanly_without_cuda(monkeypatch, capsys):
     gpu_check = load("gpu_check")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert gpu_check.main([]) == 0
-    assert capsys.readouterr().out.strip() == "gpu_check: no CUDA device, skipped"
+    assert json.loads(capsys.readouterr().out) == {"skipped": "no CUDA device, skipped"}
 
 
 def test_gpu_check_script_exits_0_without_cuda():
@@ -55,7 +55,27 @@ def test_gpu_check_script_exits_0_without_cuda():
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "gpu_check: no CUDA device, skipped"
+    assert json.loads(result.stdout) == {"skipped": "no CUDA device, skipped"}
+
+
+def test_gpu_check_one_gpu_path_runs_on_a_gloo_group_of_one():
+    """The one-GPU lease's path (a real group of one rank, autoddp wrapping as with two), on CPU."""
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_check.py"), "--cpu", "--one", "--no-compile"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    document = json.loads(result.stdout)
+    checks = {c["name"]: c for c in document["checks"]}
+    assert document["ok"] and document["failed"] == []
+    expected = {"gloo group of one", "ddp", "ddp amp", "ddp rebuilt after model.double()", "fsdp"}
+    assert expected <= set(checks)
+    assert all(set(c) == {"name", "ok", "details", "seconds"} for c in checks.values())
+    assert checks["ddp"]["details"]["weights equal to hand-written DDP's"] is True
+    assert checks["fsdp"]["details"]["DTensor parameters"] == 4  # sharded over the group of one
+    assert checks["hang marks on a CUDA stream"]["ok"] is None  # "not available" until item 3
 
 
 # --- run.py -------------------------------------------------------------------------------
@@ -181,3 +201,22 @@ def test_capture_hooks_measures_every_piece_and_prints_json():
         "sharded_sampler_us_per_batch",
         "distributed_sampler_us_per_batch",
     }
+
+
+def test_step_overhead_measures_three_sizes_against_ddp_and_prints_json():
+    tiny = ["--sizes", "4,40,400", "--pairs", "2", "--steps", "1"]
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "step_overhead.py"), *tiny],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout.splitlines()[-1])
+    assert [figures[size]["parameter_tensors"] for size in ("4", "40", "400")] == [4, 40, 400]
+    for size in ("4", "40", "400"):
+        assert figures[size]["ratio"] > 0 and 0 < figures[size]["check_us"] < 50
+        assert {"added_us_per_step", "ddp_ms_per_step"} <= set(figures[size])
+        assert figures[size]["watched_submodules"] == 0  # prepare() without capture's guard
+    # the check before a forward does not grow with the parameters (a walk: ~100x from 4 to 400)
+    assert figures["check_flat"] < 5, figures

@@ -35,6 +35,7 @@ class _Guard:
         for model in models:
             replica = model.__dict__.get(_routing.REPLICA_ATTR)
             if replica is not None and id(model) not in self.seen:
+                replica.watch_submodules(model)  # (the counts this hook compares)
                 self.models.append(model)
                 self.seen[id(model)] = (replica.forwards, replica.bypasses)
 

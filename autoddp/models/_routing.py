@@ -7,7 +7,8 @@ otherwise. ``no_sync`` is always there (a no-op without DDP). Pickling, ``torch.
 and ``copy.deepcopy`` give the plain class without autoddp's attributes. User methods that
 compute with gradients without calling the model warn once (DDP cannot see them).
 
-The submodules owning parameters keep their own class (``type(m) is nn.Linear`` holds); each gets
+The submodules owning parameters keep their own class (``type(m) is nn.Linear`` holds); once an
+optimizer's guard (``_averaging``, capture's) reads the counts, each gets
 a ``forward`` in its instance ``__dict__`` (``watch``) that counts, on the root's replica, backward
 passes through calls made outside the DDP's forward (``model.encoder(x)`` beside ``model(x)``),
 so that the optimizer's guard averages those gradients (``_averaging``). Inside the DDP's forward
@@ -51,6 +52,8 @@ class Replica(Protocol):
     def explain(self, error: RuntimeError, module: torch.nn.Module) -> BaseException: ...
 
     def count_bypass(self, grad: torch.Tensor) -> None: ...
+
+    def watch_submodules(self, module: torch.nn.Module) -> None: ...
 
 
 class _Routing(threading.local):

@@ -6,10 +6,12 @@ attributes read and write the module itself, ``state_dict`` keys have no ``modul
 is synchronised too. Only a direct ``model.forward(x)`` bypasses DDP.
 
 The DDP stays right when the model changes after wrapping. Its ``Replica`` remembers each
-parameter with its dtype, device and ``requires_grad`` as the DDP was built; at every forward
-with gradients it checks them (and, after any module or parameter was registered anywhere, which
-parameters the model has) and builds a new DDP when they differ (``model.double()``, ``.half()``,
-``.to(device)``, a replaced layer, frozen or unfrozen parameters). The first forward with
+parameter with its dtype, device and ``requires_grad`` as the DDP was built; after any event that
+can change parameters (a registration, ``.data =``, ``requires_grad``, ``.to()``/``.half()``, a
+removal: counted in ``CURRENT.parameter_events``), the next forward with gradients compares the
+model's parameters with them and builds a new DDP when they differ (``model.double()``,
+``.half()``, ``.to(device)``, a replaced or removed layer, frozen or unfrozen parameters). A step
+without such an event costs two attribute reads, whatever the model's size. The first forward with
 gradients also broadcasts rank 0's parameters and buffers, so weights re-initialised or loaded
 between wrapping and training start identical on every rank.
 """
@@ -44,31 +46,24 @@ _BATCHNORMS = (
 DEFAULTS: dict[str, Any] = {"gradient_as_bucket_view": True}
 
 
-class _Registrations:
-    """Counts module and parameter registrations in this process (torch's public global hooks).
+def _count_parameter_event(*args: Any) -> None:
+    CURRENT.parameter_events += 1
 
-    A model's set of parameters can only change through a registration, so a replica needs to
-    list its model's parameters again only when the count moved.
+
+def _watch_parameter_changes() -> None:
+    """Count, in ``CURRENT.parameter_events``, every event that can change a module's parameters.
+
+    Registrations through torch's public global hooks; the rest (``.data =``, ``requires_grad``,
+    ``.to()``/``.half()``, removals, swaps) through ``_compat.watch_parameter_changes``. Once per
+    process: the hooks stay, and cost nothing but a counter where no model is wrapped.
     """
+    if _compat.PARAMETER_WATCH in torch.nn.Parameter.__dict__:
+        return
+    from torch.nn.modules import module
 
-    def __init__(self) -> None:
-        self.count = 0
-        self.installed = False
-
-    def install(self) -> None:
-        if self.installed:
-            return
-        from torch.nn.modules import module
-
-        module.register_module_parameter_registration_hook(self._bump)
-        module.register_module_module_registration_hook(self._bump)
-        self.installed = True
-
-    def _bump(self, *args: Any) -> None:
-        self.count += 1
-
-
-_REGISTRATIONS = _Registrations()
+    module.register_module_parameter_registration_hook(_count_parameter_event)
+    module.register_module_module_registration_hook(_count_parameter_event)
+    _compat.watch_parameter_changes(_count_parameter_event)
 
 
 class Replica:
@@ -77,11 +72,17 @@ class Replica:
     def __init__(self, module: torch.nn.Module, ddp_kwargs: Mapping[str, Any]) -> None:
         self.ddp_kwargs = {**DEFAULTS, **ddp_kwargs}
         self.signature: list[tuple[torch.nn.Parameter, torch.dtype, torch.device, bool]] = []
-        self.registrations = -1
+        #: ``CURRENT.parameter_events`` when the signature was last found current.
+        self.events = -1
+        #: Whether some parameter's changes escape the event count (a tensor subclass): look every time.
+        self.look_always = True
         #: Forwards routed through the DDP so far (the optimizer's guard compares, see ``guard``).
         self.forwards = 0
         #: Backward passes through submodules called outside the DDP's forward (``_routing.watch``).
         self.bypasses = 0
+        #: Whether the submodules count those passes: only for an optimizer's guard, the one reader
+        #: (``_averaging``); without one, a submodule's call costs nothing more than the plain call.
+        self.watched = False
         self.inside = False  # while the DDP's forward runs
         self.lazy = _has_lazy_parameters(module)
         if not self.lazy:
@@ -91,10 +92,12 @@ class Replica:
     def build(self, module: torch.nn.Module) -> None:
         """(Re)build the DDP for the module's parameters as they are now (a collective)."""
         module.__dict__.pop(_routing.DDP_ATTR, None)  # the old DDP goes first: one reducer at a time
+        self.events = CURRENT.parameter_events  # (read first: a change from here on is looked at)
         params = list(module.parameters())
         self.signature = [(p, p.dtype, p.device, p.requires_grad) for p in params]
-        self.registrations = _REGISTRATIONS.count
-        _routing.watch(module, self)  # submodules called beside the DDP (``model.encoder(x)``)
+        self.look_always = not all(_compat.parameter_changes_watched(p) for p in params)
+        if self.watched:
+            _routing.watch(module, self)  # submodules called beside the DDP (``model.encoder(x)``)
         if not any(p.requires_grad for p in params):
             return  # nothing to synchronise (yet)
         device = next((p.device for p in params if p.requires_grad), torch.device("cpu"))
@@ -125,17 +128,29 @@ class Replica:
         return module.__dict__.get(_routing.DDP_ATTR)
 
     def _changed(self, module: torch.nn.Module) -> bool:
-        if self.registrations != _REGISTRATIONS.count:
-            self.registrations = _REGISTRATIONS.count
-            current = list(module.parameters())
-            if len(current) != len(self.signature) or any(
-                p is not q for p, (q, *_) in zip(current, self.signature, strict=True)
-            ):
+        """Whether the module's parameters differ from the DDP's: looked at only after an event.
+
+        Without an event since the last look (``_watch_parameter_changes``) nothing can have
+        changed, so a normal step costs two attribute reads, whatever the number of parameters.
+        """
+        events = CURRENT.parameter_events
+        if events == self.events and not self.look_always:
+            return False
+        self.events = events
+        current = list(module.parameters())
+        if len(current) != len(self.signature):
+            return True
+        for p, (q, dtype, device, requires_grad) in zip(current, self.signature, strict=True):
+            if p is not q or p.dtype is not dtype or p.requires_grad is not requires_grad:
                 return True
-        for p, dtype, device, requires_grad in self.signature:
-            if p.dtype is not dtype or p.requires_grad is not requires_grad or p.device != device:
+            if p.device != device:
                 return True
         return False
+
+    def watch_submodules(self, module: torch.nn.Module) -> None:
+        """Count backward passes through submodules called beside the DDP, from now on (the guard's)."""
+        self.watched = True
+        _routing.watch(module, self)
 
     def count_bypass(self, grad: torch.Tensor) -> None:
         """A backward reached the output of a submodule called outside the DDP (a tensor hook)."""
@@ -231,7 +246,7 @@ def wrap_model(
     if not sync_batchnorm and world.rank == 0 and any(isinstance(m, _BATCHNORMS) for m in module.modules()):
         # (said by rank 0 only: every rank would say the same)
         _warn.warn(_batchnorm_hint(type(module).__name__, world.device))
-    _REGISTRATIONS.install()
+    _watch_parameter_changes()
     object.__setattr__(module, _routing.REPLICA_ATTR, Replica(module, ddp_kwargs or {}))
     return module
 
