@@ -69,6 +69,9 @@ class Run:
         self.seeds: tuple[int, int] | None = None
         #: The capture session while the user's code runs with capture on (``autoddp.capture``).
         self.capture: Any = None
+        #: Process groups autoddp initialised in this process: the n-th one's keys live under a store
+        #: prefix of its own (``process_group``), the same on every rank since each init is collective.
+        self.groups_made: int = 0
         #: Models wrapped in each joined world, innermost last (weakly: a model may go).
         self._wrapped: list[weakref.WeakKeyDictionary[Any, Releasing]] = []
 
