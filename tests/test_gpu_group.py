@@ -7,11 +7,18 @@ it saw to a file. The decisions (timeout, variables) are pure functions, tested 
 
 from __future__ import annotations
 
+import datetime
 import json
 
 import pytest
+from torch.distributed import constants
 
+from autoddp.launch.diagnostics import nccl_variables
+from autoddp.process_group import Backend, group_arguments
+from autoddp.state import World
 from conftest import run_python, write
+
+GPUS = Backend("cpu:gloo,cuda:nccl", use_cuda=True)
 
 SCRIPT = """
     import json, os, sys, time
@@ -63,3 +70,77 @@ def test_three_decorated_calls_in_a_row_each_get_a_group_of_their_own(tmp_path, 
         assert seen[rank]["evaluate"] == 30.0
         assert seen[rank]["again"] == [6.0, [0, 1]]
         assert seen[rank]["open_after"] is False  # each call's group ended with the call
+
+
+#: Imitates a machine with two GPUs on the CPU build: torch counts them, and a worker's pinning
+#: (``torch.cuda.set_device``) is recorded instead of reaching a CUDA driver that is not there.
+FAKE_GPUS = """
+    import os
+    if os.environ.get("FAKE_GPUS"):
+        import torch
+        torch.backends.cuda.is_built = lambda: True
+        torch.cuda.device_count = lambda: int(os.environ["FAKE_GPUS"])
+        torch.cuda.set_device = lambda device: os.environ.__setitem__("PINNED", str(device))
+"""
+
+#: Each rank writes, where NCCL's flight recorder would dump it, the environment it got; rank 1 fails.
+DUMPING = """
+    import json, os
+    rank = os.environ["RANK"]
+    with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + rank, "w") as dump:
+        json.dump(dict(os.environ), dump)
+    if rank == "1":
+        raise SystemExit(3)
+"""
+
+
+def test_gpu_workers_get_nccl_diagnostics_and_their_dumps_outlive_the_run(tmp_path, monkeypatch):
+    (tmp_path / "site").mkdir()
+    write(tmp_path / "site" / "sitecustomize.py", FAKE_GPUS)
+    script = write(tmp_path / "dumping.py", DUMPING)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    monkeypatch.setenv("FAKE_GPUS", "2")
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # the user's own: kept
+    logs = tmp_path / "logs"
+    result = run_python(["-m", "autoddp.cli", "-n", "2", "--log-dir", str(logs), str(script)], cwd=tmp_path)
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert f"NCCL's flight recorder wrote the ranks' last collectives to {logs};" in result.stderr
+    assert f"torchfrtrace {logs} -p nccl_trace_rank_" in result.stderr
+    for rank in range(2):
+        env = json.loads((logs / f"nccl_trace_rank_{rank}").read_text())
+        assert env["PINNED"] == str(rank)  # the worker was on its "GPU"
+        assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+        assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+        assert env["TORCH_FR_BUFFER_SIZE"] == "2000"
+        assert "TORCH_NCCL_DESYNC_DEBUG" not in env
+
+
+def test_a_gpu_group_waits_nccl_s_ten_minutes_unless_told_otherwise():
+    world = World(rank=1, local_rank=1, world_size=2, local_world_size=2, device="cuda:1")
+    arguments = group_arguments(world, GPUS, "cuda:1", None)
+    # torch gives "cpu:gloo,cuda:nccl" its gloo default (30 minutes); NCCL's is 10
+    assert constants.default_pg_timeout == datetime.timedelta(minutes=30)
+    assert arguments["timeout"] == datetime.timedelta(minutes=10)
+    assert arguments["backend"] == "cpu:gloo,cuda:nccl"
+    assert str(arguments["device_id"]) == "cuda:1"
+    assert (arguments["rank"], arguments["world_size"]) == (1, 2)
+    given = datetime.timedelta(seconds=42)
+    assert group_arguments(world, GPUS, "cuda:1", given)["timeout"] == given
+    cpu = group_arguments(world, Backend("gloo", use_cuda=False), "cpu", None)
+    assert cpu["timeout"] == constants.default_pg_timeout and "device_id" not in cpu
+
+
+def test_nccl_diagnostics_are_for_gpu_runs_and_keep_what_the_user_set():
+    assert nccl_variables({}, "/run", gpus=0) == {}
+    assert nccl_variables({}, "/run", gpus=2) == {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_FR_DUMP_TEMP_FILE": "/run/nccl_trace_rank_",
+    }
+    users = {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "0",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/mine/r",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    }
+    assert nccl_variables(users, "/run", gpus=2) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
