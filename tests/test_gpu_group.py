@@ -14,6 +14,7 @@ import pytest
 from torch.distributed import constants
 
 from autoddp.launch.diagnostics import nccl_variables
+from autoddp.launch.side_gloo import side_gloo_variables
 from autoddp.process_group import Backend, group_arguments
 from autoddp.state import World
 from conftest import run_python, write
@@ -25,13 +26,21 @@ SCRIPT = """
     import torch, torch.distributed as dist
     import autoddp
 
+    def sockets():  # the sockets this process holds: gloo's connections, the store's
+        fds = os.listdir("/proc/self/fd")
+        return sum(os.readlink(f"/proc/self/fd/{fd}").startswith("socket:") for fd in fds if fd.isdigit()
+                   and os.path.exists(f"/proc/self/fd/{fd}"))
+
     @autoddp.distributed
     def train(scale):
+        held = [sockets()]  # the group exists: made for this call
         t = torch.tensor([float(dist.get_rank() + 1) * scale])
-        dist.all_reduce(t)
+        dist.all_reduce(t)  # a CPU tensor: the group's gloo
+        held.append(sockets())
         ranks = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, dist.get_rank())  # an object collective on the group's gloo
-        return t.item(), ranks
+        held.append(sockets())
+        return t.item(), ranks, held
 
     @autoddp.distributed
     def evaluate():
@@ -51,25 +60,39 @@ SCRIPT = """
 """
 
 
-def _ran(tmp_path, launcher: list[str]) -> dict[int, dict]:
+def _ran(tmp_path, launcher: list[str], nproc: int) -> dict[int, dict]:
     script = write(tmp_path / "three_calls.py", SCRIPT)
     result = run_python([*launcher, str(script), str(tmp_path)], cwd=tmp_path, timeout=60)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)}
+    return {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)}
 
 
 @pytest.mark.parametrize(
-    "launcher",
-    [["-m", "autoddp.cli", "-n", "2"], ["-m", "torch.distributed.run", "--nproc-per-node", "2"]],
-    ids=["autoddp", "torchrun"],
+    ("launcher", "nproc", "lazy"),
+    [
+        # 3 ranks, gloo lazy as a GPU run's workers get it (side_gloo): its connections come with use
+        (["-m", "autoddp.cli", "-n", "3"], 3, True),
+        (["-m", "torch.distributed.run", "--nproc-per-node", "2"], 2, False),
+    ],
+    ids=["autoddp-lazy-gloo", "torchrun"],
 )
-def test_three_decorated_calls_in_a_row_each_get_a_group_of_their_own(tmp_path, launcher):
-    seen = _ran(tmp_path, launcher)
-    for rank in range(2):
-        assert seen[rank]["first"] == [3.0, [0, 1]]
-        assert seen[rank]["evaluate"] == 30.0
-        assert seen[rank]["again"] == [6.0, [0, 1]]
+def test_three_decorated_calls_in_a_row_each_get_a_group_of_their_own(
+    tmp_path, monkeypatch, launcher, nproc, lazy
+):
+    if lazy:
+        monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", side_gloo_variables({}, gpus=8)["TORCH_GLOO_LAZY_INIT"])
+    seen = _ran(tmp_path, launcher, nproc)
+    total = sum(range(1, nproc + 1))
+    for rank in range(nproc):
+        value, ranks, held = seen[rank]["first"]
+        assert (value, ranks) == (total, list(range(nproc)))
+        assert seen[rank]["evaluate"] == 10.0 * total
+        assert seen[rank]["again"][:2] == [2.0 * total, list(range(nproc))]
         assert seen[rank]["open_after"] is False  # each call's group ended with the call
+        if lazy:  # no connection to a peer before the first collective; made and working after it
+            assert held[0] < held[1] <= held[2], held
+        else:  # eager: every peer connected at init already
+            assert held[0] == held[1] == held[2], held
 
 
 #: Imitates a machine with two GPUs on the CPU build: torch counts them, and a worker's pinning
@@ -113,6 +136,7 @@ def test_gpu_workers_get_nccl_diagnostics_and_their_dumps_outlive_the_run(tmp_pa
         assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
         assert env["TORCH_FR_BUFFER_SIZE"] == "2000"
         assert "TORCH_NCCL_DESYNC_DEBUG" not in env
+        assert env["TORCH_GLOO_LAZY_INIT"] == "1"
 
 
 def test_a_gpu_group_waits_nccl_s_ten_minutes_unless_told_otherwise():
@@ -144,3 +168,9 @@ def test_nccl_diagnostics_are_for_gpu_runs_and_keep_what_the_user_set():
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
     }
     assert nccl_variables(users, "/run", gpus=2) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+
+
+def test_the_gloo_group_beside_nccl_is_lazy_unless_the_user_chose():
+    assert side_gloo_variables({}, gpus=0) == {}
+    assert side_gloo_variables({}, gpus=4) == {"TORCH_GLOO_LAZY_INIT": "1"}
+    assert side_gloo_variables({"TORCH_GLOO_LAZY_INIT": "0"}, gpus=4) == {}

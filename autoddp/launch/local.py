@@ -23,6 +23,7 @@ from autoddp.hang.watch import Watch
 from autoddp.launch import diagnostics
 from autoddp.launch.failures import first_failure
 from autoddp.launch.output import Output, announce_exit, one_line, say, show_hidden_output
+from autoddp.launch.side_gloo import side_gloo_variables
 from autoddp.launch.start_method import choose_start_method, preload_for_forked_workers
 from autoddp.launch.store import loopback_store
 from autoddp.launch.supervise import POLL_SECONDS, supervise
@@ -54,7 +55,9 @@ def worker_envs(
     if threads is not None:
         common["OMP_NUM_THREADS"] = threads
     # NCCL's error handling and flight recorder on GPUs, dumped into the run folder
-    common.update(diagnostics.nccl_variables(os.environ, folder, hardware.gpu_count()))
+    gpus = hardware.gpu_count()
+    common.update(diagnostics.nccl_variables(os.environ, folder, gpus))
+    common.update(side_gloo_variables(os.environ, gpus))  # gloo beside NCCL connects when first used
     return {r: {**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)}
 
 

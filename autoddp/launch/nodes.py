@@ -23,6 +23,7 @@ from autoddp.hang.watch import Watch
 from autoddp.launch import diagnostics
 from autoddp.launch.output import announce_exit, say
 from autoddp.launch.plan import Nodes, split_endpoint
+from autoddp.launch.side_gloo import side_gloo_variables
 from autoddp.launch.supervise import caller_signal_handlers_kept, elastic_logs_quiet
 from autoddp.running import Job
 
@@ -73,7 +74,7 @@ def run_agent(
     say(_start_line(nodes, nproc, net))
     gpus = hardware.gpu_count()
     with hang_record.folder() as folder, diagnostics.node_traces(os.environ, nodes.run_id, gpus) as nccl:
-        variables = {**net.variables, **nccl}
+        variables = {**net.variables, **nccl, **side_gloo_variables(os.environ, gpus)}
         if hang_report > 0:
             variables[hang_record.FOLDER_VARIABLE] = folder
         with (
