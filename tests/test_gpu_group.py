@@ -22,7 +22,7 @@ from conftest import run_python, write
 GPUS = Backend("cpu:gloo,cuda:nccl", use_cuda=True)
 
 SCRIPT = """
-    import json, os, sys, time
+    import glob, json, os, sys, time
     import torch, torch.distributed as dist
     import autoddp
 
@@ -34,6 +34,10 @@ SCRIPT = """
     @autoddp.distributed
     def train(scale):
         held = [sockets()]  # the group exists: made for this call
+        ready = os.path.join(sys.argv[1], f"ready-{scale}-")  # every rank counted before any connects
+        open(ready + str(dist.get_rank()), "w").close()
+        while len(glob.glob(ready + "*")) < dist.get_world_size():
+            time.sleep(0.01)
         t = torch.tensor([float(dist.get_rank() + 1) * scale])
         dist.all_reduce(t)  # a CPU tensor: the group's gloo
         held.append(sockets())
