@@ -8,6 +8,7 @@ import datetime
 import gc
 import os
 import sys
+from typing import Any
 
 import torch
 
@@ -192,30 +193,74 @@ def _init_group(world: World, backend: Backend, device: str, timeout: datetime.t
             "unknown: set MASTER_ADDR (rank 0's host) and MASTER_PORT (a free port there) "
             "for every process"
         )
-    kwargs: dict = {}
-    if timeout is not None:
-        kwargs["timeout"] = timeout
-    if backend.use_cuda:
-        kwargs["device_id"] = torch.device(device)
     if world.local_world_size < world.world_size:
         _name_interface(world)
+    arguments = group_arguments(world, backend, device, timeout)
     try:
-        dist.init_process_group(
-            backend.name,
-            init_method=f"tcp://{_host_for_url(world.master_addr)}:{world.master_port}",
-            rank=world.rank,
-            world_size=world.world_size,
-            **kwargs,
-        )
+        dist.init_process_group(store=_fresh_store(world, arguments["timeout"]), **arguments)
     except dist.DistNetworkError as error:
         if "EADDRINUSE" not in str(error):
             raise
         raise ConfigurationError(
             f"rank 0 cannot listen on {world.master_addr}:{world.master_port}: the port is in use, by "
             "another job or another step of this job. Set MASTER_PORT to a free port, the same for "
-            "every process of this run"
+            "every process"
         ) from None
     return True
+
+
+def group_arguments(
+    world: World, backend: Backend, device: str, timeout: datetime.timedelta | None
+) -> dict[str, Any]:
+    """What ``init_process_group`` receives besides the store: a pure function of the facts."""
+    arguments: dict[str, Any] = {
+        "backend": backend.name,
+        "rank": world.rank,
+        "world_size": world.world_size,
+        "timeout": group_timeout(backend, timeout),
+    }
+    if backend.use_cuda:
+        arguments["device_id"] = torch.device(device)
+    return arguments
+
+
+#: NCCL's default timeout, as torch documents it (its constant exists on CUDA builds only).
+NCCL_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def group_timeout(backend: Backend, timeout: datetime.timedelta | None) -> datetime.timedelta:
+    """The user's timeout, else NCCL's 10 minutes on GPUs and torch's default (30) for gloo.
+
+    torch picks NCCL's default only for the backend string "nccl": for "cpu:gloo,cuda:nccl" it
+    would give 30 minutes, three times what a GPU run of torchrun style waits.
+    """
+    from torch.distributed import constants
+
+    if timeout is not None:
+        return timeout
+    if backend.use_cuda or backend.name == "nccl":
+        return constants.default_pg_nccl_timeout or NCCL_TIMEOUT
+    return constants.default_pg_timeout
+
+
+def _fresh_store(world: World, timeout: datetime.timedelta) -> Any:
+    """The rendezvous store of the next group this process makes, under a key prefix of its own.
+
+    The store outlives a group (the launcher's agent store, or rank 0's own): a second group on
+    the same keys would read the first one's addresses (gloo: "connectFullMesh failed ...
+    Connection refused"; NCCL: the first one's unique id). Every init is collective, so the
+    n-th group made here is the n-th on every rank: the count names the prefix without a
+    message between ranks. A restart of the workers (``TORCHELASTIC_RESTART_COUNT``) is told
+    apart too, where the launcher keeps its store across restarts.
+    """
+    import torch.distributed as dist
+
+    url = f"tcp://{_host_for_url(str(world.master_addr))}:{world.master_port}"
+    store, _, _ = next(dist.rendezvous(url, world.rank, world.world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    CURRENT.groups_made += 1
+    return dist.PrefixStore(f"autoddp/{restart}/{CURRENT.groups_made}", store)
 
 
 def _name_interface(world: World) -> None:

@@ -71,6 +71,9 @@ class Run:
         self.capture: Any = None
         #: Events that can have changed a wrapped model's parameters (``models.ddp``: checked per forward).
         self.parameter_events = 0
+        #: Process groups autoddp initialised in this process: the n-th one's keys live under a store
+        #: prefix of its own (``process_group``), the same on every rank since each init is collective.
+        self.groups_made: int = 0
         #: Models wrapped in each joined world, innermost last (weakly: a model may go).
         self._wrapped: list[weakref.WeakKeyDictionary[Any, Releasing]] = []
 

@@ -20,8 +20,10 @@ from autoddp.environment import LOOPBACK
 from autoddp.errors import ConfigurationError, SerializationError
 from autoddp.hang import record as hang_record
 from autoddp.hang.watch import Watch
+from autoddp.launch import diagnostics
 from autoddp.launch.failures import first_failure
 from autoddp.launch.output import Output, announce_exit, one_line, say, show_hidden_output
+from autoddp.launch.side_gloo import side_gloo_variables
 from autoddp.launch.start_method import choose_start_method, preload_for_forked_workers
 from autoddp.launch.store import loopback_store
 from autoddp.launch.supervise import POLL_SECONDS, supervise
@@ -52,6 +54,10 @@ def worker_envs(
     threads = hardware.omp_threads(nproc)
     if threads is not None:
         common["OMP_NUM_THREADS"] = threads
+    # NCCL's error handling and flight recorder on GPUs, dumped into the run folder
+    gpus = hardware.gpu_count()
+    common.update(diagnostics.nccl_variables(os.environ, folder, gpus))
+    common.update(side_gloo_variables(os.environ, gpus))  # gloo beside NCCL connects when first used
     return {r: {**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)}
 
 
@@ -176,6 +182,9 @@ def _attempt(
             context, result = supervise(entry, entry_args, envs, method, poll_seconds, logs, watch)
         if result.is_failed():
             error = first_failure(context, result, folder, nproc)
+            traces = diagnostics.keep_traces(folder, output.log_dir)
+            if traces is not None:  # (the run folder goes with the run)
+                say(diagnostics.traces_line(traces))
             show_hidden_output(error, result, output.shown(nproc))
             announce_exit(error, nproc)
             raise error

@@ -20,8 +20,10 @@ from autoddp.errors import WorkerError
 from autoddp.hang import record as hang_record
 from autoddp.hang.combine import Exchange
 from autoddp.hang.watch import Watch
+from autoddp.launch import diagnostics
 from autoddp.launch.output import announce_exit, say
 from autoddp.launch.plan import Nodes, split_endpoint
+from autoddp.launch.side_gloo import side_gloo_variables
 from autoddp.launch.supervise import caller_signal_handlers_kept, elastic_logs_quiet
 from autoddp.running import Job
 
@@ -70,8 +72,11 @@ def run_agent(
         local_addr=route.local_address if route is not None and route.interface else None,
     )
     say(_start_line(nodes, nproc, net))
-    with hang_record.folder() as folder:
-        variables = {**net.variables, **({hang_record.FOLDER_VARIABLE: folder} if hang_report > 0 else {})}
+    gpus = hardware.gpu_count()
+    with hang_record.folder() as folder, diagnostics.node_traces(os.environ, nodes.run_id, gpus) as nccl:
+        variables = {**net.variables, **nccl, **side_gloo_variables(os.environ, gpus)}
+        if hang_report > 0:
+            variables[hang_record.FOLDER_VARIABLE] = folder
         with (
             elastic_logs_quiet(),
             _worker_environment(nproc, variables),
