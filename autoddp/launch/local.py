@@ -173,7 +173,7 @@ def _attempt(
             watch = functools.partial(Watch, records, nproc, hang_report)
             context, result = supervise(entry, entry_args, envs, method, poll_seconds, logs, watch)
         if result.is_failed():
-            error = first_failure(context, result, folder, nproc)
+            error = first_failure(context, result, folder, nproc, records if hang_report > 0 else "")
             show_hidden_output(error, result, output.shown(nproc))
             announce_exit(error, nproc)
             raise error
