@@ -141,6 +141,9 @@ def main(leave_groups_at_exit: bool = True) -> None:
     group, when atexit lets go of the script's hooks (a deadlock in gloo).
     """
     _worker.die_with_parent()
+    run_folder = os.environ.get("AUTODDP_RUN_FOLDER")
+    if run_folder:  # where this rank was if autoddp stops it (a peer timed out or died waiting for it)
+        _worker.STACK_DUMP.arm(run_folder, int(os.environ.get("RANK", "0")))
     if leave_groups_at_exit:
         # Registered before the script runs, so it runs after the script's own atexit hooks.
         atexit.register(_leave_cleanly)

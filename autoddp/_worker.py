@@ -62,7 +62,7 @@ def _pin_own_gpu() -> int | None:
 def _execute(job: Job, folder: str) -> int:
     _set_up_process()
     world = environment.detect().world()
-    _STACK_DUMP.arm(folder, world.rank)
+    STACK_DUMP.arm(folder, world.rank)
     try:
         if job.backend.use_cuda and _compat.cuda_in_bad_fork():
             raise AutoDDPError(
@@ -98,7 +98,7 @@ class _StackDump:
         faulthandler.register(signal.SIGTERM, file=self.file, all_threads=True, chain=True)
 
 
-_STACK_DUMP = _StackDump()
+STACK_DUMP = _StackDump()
 
 
 def _set_up_process() -> None:

@@ -380,6 +380,9 @@ def _launch(
         return error.code if isinstance(error.code, int) else 1
     except WorkerError as error:  # died without a Python exception: there is no traceback to point at
         click.echo(f"autoddp: {error}", err=True)
+        for note in getattr(error, "__notes__", ()):  # e.g. the late rank a rank aborted waiting for
+            if note.startswith("autoddp:"):
+                click.echo(note, err=True)
         return 1
     except Exception as error:  # a worker failed: it printed its own traceback
         click.echo(f"autoddp: {launch_output.one_line(error)} (its traceback is above)", err=True)

@@ -17,8 +17,12 @@
    runs.
 
 It also times, in isolation, one marked call and one call passing through, over the same call
-unwrapped, and one check of the launcher's watch (one ``Watch.tick`` over the run's live records,
-which the watch makes about once a second). The last line printed is one JSON object.
+unwrapped; a marked call that returns a work object (``async_op=True``: the work is kept, weakly,
+for the worker's poller), and a marked call on a tensor once CUDA is in use in the process (the
+check for a CUDA tensor; on a GPU a CUDA event is then recorded after the call, not timed here:
+this machine has none); the poller's time per token (``pending.Pending.poll``); and one check
+of the launcher's watch (one ``Watch.tick`` over the run's live records, which the watch makes
+about once a second). The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -93,14 +97,47 @@ def call_costs_us(calls: int = 200_000) -> dict[str, float]:
             times.append(time.perf_counter() - start)
         return min(times) / calls * 1e6
 
+    class Done(dist.Work):
+        def is_completed(self) -> bool:
+            return True
+
+    work, tensor = Done(), torch.ones(1)
+
+    def call_async() -> Any:
+        return work
+
+    def call_on(t: torch.Tensor) -> None:
+        return None
+
+    wrapped_async = MARKS._collective(record.NAMES.index("all_reduce"), call_async)
+    wrapped_on = MARKS._collective(record.NAMES.index("all_reduce"), call_on)
+    waits = MARKS.pending
     plain = best(call)
     marked = best(wrapped)
+    try:
+        marked_async = best(wrapped_async) - best(call_async)
+        waits.cuda, cuda = True, waits.cuda
+        marked_on = best(lambda: wrapped_on(tensor)) - best(lambda: call_on(tensor))
+    finally:
+        waits.cuda = cuda
+        waits.tokens.clear()
+    for _ in range(1000):
+        waits.work(0, 0.0, work)
+    start = time.perf_counter()
+    waits.poll()  # 1000 completed tokens dropped, the record told
+    poll = (time.perf_counter() - start) / 1000 * 1e6
     MARKS.thread = -1
     try:
         passing = best(wrapped)
     finally:
         MARKS.thread = marking
-    return {"marked_call_us": marked - plain, "passing_call_us": passing - plain}
+    return {
+        "marked_call_us": marked - plain,
+        "passing_call_us": passing - plain,
+        "marked_async_call_us": marked_async,
+        "marked_call_checking_cuda_us": marked_on,
+        "poll_per_token_us": poll,
+    }
 
 
 def tick_cost_us(ticks: int = 2000) -> float:
@@ -182,6 +219,12 @@ def main() -> None:
         f"one marked call: +{result['marked_call_us']:.2f} us, one passing through: "
         f"+{result['passing_call_us']:.2f} us; one check of the watch: {result['watch_tick_us']:.0f} us "
         "(about once a second)"
+    )
+    print(
+        f"one marked call returning a work object: +{result['marked_async_call_us']:.2f} us; "
+        f"one marked call with CUDA in use (the check for a CUDA tensor): "
+        f"+{result['marked_call_checking_cuda_us']:.2f} us; the poller, per token: "
+        f"{result['poll_per_token_us']:.2f} us (in its own thread, 4 times a second)"
     )
     print(json.dumps(result))
 

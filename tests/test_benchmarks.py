@@ -182,6 +182,7 @@ def test_hang_watch_measures_both_ways_and_prints_json():
     assert figures["small"]["pairs"] == 4 and figures["small"]["launches"]["pairs"] == 1
     assert 0 < figures["small"]["wall"]["ratio"] < 10 and "control" in figures["small"]
     assert 0 < figures["marked_call_us"] < 100 and 0 < figures["watch_tick_us"] < 10_000
+    assert 0 < figures["marked_async_call_us"] < 100 and 0 < figures["poll_per_token_us"] < 100
 
 
 def test_capture_hooks_measures_every_piece_and_prints_json():

@@ -48,7 +48,10 @@ class Exchange:
             return None
         try:
             running = [r for r in records.values() if r is not None]
-            mine = [{**dataclasses.asdict(r), "since": now - r.since} for r in running]  # an age
+            mine = [  # ages, not times
+                {**dataclasses.asdict(r), "since": now - r.since, "pending_since": now - r.pending_since}
+                for r in running
+            ]
             self.store.set(f"{self.prefix}node/{self.node_rank}", json.dumps(mine))
             if self.node_rank != 0:
                 self._answer(running, collect)
@@ -129,6 +132,7 @@ class Exchange:
         for node, value in enumerate(self.store.multi_get(keys)):
             for fields in json.loads(value):
                 fields.update(since=now - fields["since"], local_rank=fields["rank"])
+                fields.update(pending_since=now - fields.get("pending_since", 0.0))
                 world[fields["rank"]] = record.Record(**fields)
                 self.owner[fields["rank"]] = node
         size = max((r.world_size for r in world.values() if r is not None), default=0)

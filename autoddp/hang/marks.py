@@ -7,8 +7,11 @@ namespaces of ``torch.distributed`` and ``distributed_c10d``, as ``rank0()``'s r
 into the record (a memory write into a mapped file), on exit "outside since t": about a
 microsecond per call, on the collectives only. DDP's gradient all-reduce runs in C++ inside
 ``backward()``; the backward wrapper marks it once a DistributedDataParallel exists in the
-process. ``rank0()`` marks its blocks itself (``mark``/``unmark``). Only the thread that runs the
-user's code is marked; code being traced by ``torch.compile`` and forked children pass through.
+process. A call that returns before its collective completes (a work object; on CUDA tensors,
+NCCL's queued collectives and DDP's backward) leaves a token to ``pending``, whose thread keeps
+"in all_reduce since t" in the record until the collective completes. ``rank0()`` marks its
+blocks itself (``mark``/``unmark``). Only the thread that runs the user's code is marked; code
+being traced by ``torch.compile`` and forked children pass through.
 
 The worker also answers ``record.DUMP_SIGNAL`` with its Python stacks (faulthandler, in C, so
 it answers while it blocks in C++ or holds the GIL), written to its dump file for the launcher.
@@ -31,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from autoddp import _compat
-from autoddp.hang import record
+from autoddp.hang import pending, record
 from autoddp.state import World
 
 _BACKWARD = record.NAMES.index("backward")
@@ -53,6 +56,7 @@ class Marks:
         self.patches: list[tuple[Any, str, Any, Any]] = []  # (owner, name, original, wrapper)
         self.wrappers: dict[int, tuple[Any, Any]] = {}  # id(original) -> (original, its wrapper)
         self.forks_watched = False
+        self.pending = pending.Pending()
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -70,6 +74,7 @@ class Marks:
                 os.register_at_fork(after_in_child=self._forked)
                 self.forks_watched = True
             self._write(record.OUTSIDE, 0)
+            self.pending.start(self.writer)
             yield
         finally:
             self._uninstall()
@@ -86,6 +91,7 @@ class Marks:
 
     def _uninstall(self) -> None:
         self.unpatch()
+        self.pending.stop()
         if self.map is not None:
             self.flags = 0  # first: the launcher sends no signal to a worker that says so
             self._write(record.OUTSIDE, 0)
@@ -99,6 +105,7 @@ class Marks:
     def _forked(self) -> None:
         """In a child forked while installed (a DataLoader worker): mark nothing, write nothing."""
         self.thread, self.map, self.writer, self.dump, self.patches = -1, None, None, None, []
+        self.pending.forked()
 
     def patch(self) -> None:
         """Put the wrappers in place (``installed`` does; ``unpatch`` takes them out).
@@ -164,7 +171,12 @@ class Marks:
     # --- the wrappers -------------------------------------------------------------------------
 
     def _collective(self, index: int, original: Callable[..., Any]) -> Callable[..., Any]:
-        marks, get_ident, compiling = self, threading.get_ident, torch.compiler.is_compiling
+        marks, get_ident, compiling, waits = (
+            self,
+            threading.get_ident,
+            torch.compiler.is_compiling,
+            self.pending,
+        )
 
         @functools.wraps(original)
         def marked(*args: Any, **kwargs: Any) -> Any:
@@ -172,25 +184,41 @@ class Marks:
             if compiling() or marks.kind or get_ident() != marks.thread:
                 return original(*args, **kwargs)
             marks._write(record.COLLECTIVE, index)
+            since = marks.since
             try:
-                return original(*args, **kwargs)
+                result = original(*args, **kwargs)
             finally:
                 marks._write(record.OUTSIDE, 0)
+            # Returned before completing? A work object (async_op=True); on CUDA, NCCL's queue.
+            if result is not None:
+                waits.work(index, since, result)
+            elif waits.cuda:
+                waits.after_cuda(index, since, args, kwargs)
+            return result
 
         return marked
 
     def _backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        marks, get_ident, compiling = self, threading.get_ident, torch.compiler.is_compiling
+        marks, get_ident, compiling, waits = (
+            self,
+            threading.get_ident,
+            torch.compiler.is_compiling,
+            self.pending,
+        )
 
         @functools.wraps(original)
         def backward(*args: Any, **kwargs: Any) -> Any:
             if compiling() or marks.kind or not marks.flags & record.HAS_DDP or get_ident() != marks.thread:
                 return original(*args, **kwargs)
             marks._write(record.BACKWARD, _BACKWARD)
+            since = marks.since
             try:
-                return original(*args, **kwargs)
+                result = original(*args, **kwargs)
             finally:
                 marks._write(record.OUTSIDE, 0)
+            if waits.cuda:  # on NCCL DDP's all-reduce completes on the GPU after backward() returns
+                waits.after_cuda(_BACKWARD, since, args, kwargs)
+            return result
 
         return backward
 

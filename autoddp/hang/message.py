@@ -84,9 +84,10 @@ def _waits(
         if rec.kind == record.WAITS_FOR_RANK0:
             call = f"for {rank0_block(rec.site)} to end"
         else:
-            frame = stacks.innermost_user(frames.get(rec.local_rank, []))
+            frame = call_site(rec, frames)
             at = f" at {frame.shown()}" if frame is not None else ""
-            call = f"in {rec.what}{at}"
+            queued = " (called, not completed)" if rec.kind == record.QUEUED else ""
+            call = f"in {rec.what}{at}{queued}"
         groups.setdefault(call, []).append(rec)
     said = []
     for call, recs in groups.items():
@@ -94,6 +95,14 @@ def _waits(
         oldest = min(r.since for r in recs)
         said.append(f"{_ranks(ranks)} {_verb(ranks, 'wait')} {call}, for {_age(now, oldest)}")
     return said
+
+
+def call_site(rec: record.Record, frames: Mapping[int, list[stacks.Frame]]) -> stacks.Frame | None:
+    """Where ``rec`` waits: its collective's call for one not completed, else its stack's own frame."""
+    site = record.pending_frame(rec) if rec.kind == record.QUEUED else None
+    if site is not None:
+        return stacks.Frame(*site)
+    return stacks.innermost_user(frames.get(rec.local_rank, []))
 
 
 def _late(late: record.Record, frames: list[stacks.Frame] | None, now: float) -> list[str]:

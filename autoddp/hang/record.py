@@ -1,7 +1,9 @@
 """The hang record: one small file per worker saying what the worker waits in, and since when.
 
 The worker maps its file into memory and rewrites a few bytes when it enters or leaves a
-collective: a memory write, no system call, so the training step does not notice. The launcher
+collective: a memory write, no system call, so the training step does not notice. A second slot
+says which collective this rank started has not completed yet, and since when (NCCL's queued
+collectives, asynchronous work objects): the worker's poller (``pending``) keeps it. The launcher
 reads it with one ``pread`` per check. Times are ``time.monotonic()`` (CLOCK_MONOTONIC, one clock
 for every process of a machine), so the launcher can tell how long a rank has waited. The layout
 both sides share, and nothing else.
@@ -34,10 +36,14 @@ DUMP_SIGNAL: int | None = signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN") els
 _MAGIC = b"ADH1"
 _HEADER = struct.Struct("<4sIiiiQ")  # magic, pid, rank, world size, local rank, main thread ident
 STATE = struct.Struct("<QBBHxxxxd")  # sequence, flags, kind, name, since (time.monotonic())
+#: The oldest collective started but not completed: its number (0: none), name, since, then its site.
+PENDING = struct.Struct("<QHxxxxxxd")
 STATE_OFFSET = _HEADER.size
-_SITE_OFFSET = STATE_OFFSET + STATE.size
+PENDING_OFFSET = STATE_OFFSET + STATE.size
+_SITE_OFFSET = PENDING_OFFSET + PENDING.size
 _SITE_BYTES = 480
-SIZE = _SITE_OFFSET + _SITE_BYTES
+PENDING_SITE_OFFSET = _SITE_OFFSET + _SITE_BYTES
+SIZE = PENDING_SITE_OFFSET + _SITE_BYTES
 
 # What a worker is doing (``kind``).
 OUTSIDE = 0  # none of the below: computing, loading data, sleeping...
@@ -45,6 +51,7 @@ COLLECTIVE = 1  # inside a torch.distributed collective (``name``)
 BACKWARD = 2  # inside backward() with a DDP model: DDP all-reduces the gradients there
 WAITS_FOR_RANK0 = 3  # a rank0() block's other ranks, waiting for rank 0 (``site``)
 RUNS_RANK0 = 4  # rank 0 running the body of a rank0() block (``site``)
+QUEUED = 5  # (as judged) outside any call, but a collective it started has not completed
 
 # ``flags``
 ACTIVE = 1  # the user's code runs
@@ -98,6 +105,10 @@ class Record:
     name: int
     since: float
     site: str = ""  # where a rank0() block is, for the block kinds
+    pending: int = 0  # the oldest collective started and not completed: its number (0: none)
+    pending_name: int = 0
+    pending_since: float = 0.0
+    pending_site: str = ""  # where it was called: "path\0line\0function"
 
     @property
     def active(self) -> bool:
@@ -111,17 +122,40 @@ class Record:
     @property
     def blocked(self) -> bool:
         """Waiting for other ranks: in a collective, in DDP's backward, or for rank 0's block."""
-        return self.kind in (COLLECTIVE, BACKWARD, WAITS_FOR_RANK0)
+        return self.kind in (COLLECTIVE, BACKWARD, WAITS_FOR_RANK0, QUEUED)
 
     @property
     def in_collective(self) -> bool:
-        return self.kind in (COLLECTIVE, BACKWARD)
+        return self.kind in (COLLECTIVE, BACKWARD, QUEUED)
 
     @property
     def what(self) -> str:
         """The collective's name as the user knows it (``all_reduce``)."""
         name = NAMES[self.name] if 0 <= self.name < len(NAMES) else f"collective #{self.name}"
         return _SHOWN.get(name, name)
+
+
+def judged(rec: Record | None) -> Record | None:
+    """``rec`` as the report judges it: a rank outside any call whose collective has not completed
+    (queued on the GPU by NCCL, or an asynchronous work object) waits in that collective (``QUEUED``).
+    """
+    if rec is None or not rec.pending or rec.kind != OUTSIDE:
+        return rec
+    return dataclasses.replace(
+        rec,
+        kind=QUEUED,
+        name=rec.pending_name,
+        since=rec.pending_since,
+        sequence=rec.sequence | rec.pending << 32,  # a new situation when either changes
+    )
+
+
+def pending_frame(rec: Record) -> tuple[str, int, str] | None:
+    """(path, line, function) where ``rec``'s pending collective was called, if known."""
+    parts = rec.pending_site.split("\0")
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1]), parts[2]
 
 
 def read(path: str) -> Record | None:
@@ -143,8 +177,15 @@ def read(path: str) -> Record | None:
         return None
     _, pid, rank, world_size, local_rank, thread = _HEADER.unpack_from(first, 0)
     sequence, flags, kind, name, since = STATE.unpack_from(first, STATE_OFFSET)
-    site = first[_SITE_OFFSET:SIZE].split(b"\0", 1)[0].decode("utf-8", "replace")
-    return Record(pid, rank, world_size, local_rank, thread, sequence, flags, kind, name, since, site)
+    site = _text(first[_SITE_OFFSET:PENDING_SITE_OFFSET])
+    pending, pending_name, pending_since = PENDING.unpack_from(first, PENDING_OFFSET)
+    pending_site = _text(first[PENDING_SITE_OFFSET:SIZE]) if pending else ""
+    fields = (pid, rank, world_size, local_rank, thread, sequence, flags, kind, name, since, site)
+    return Record(*fields, pending, pending_name, pending_since, pending_site)
+
+
+def _text(data: bytes) -> str:
+    return data.split(b"\0\0", 1)[0].rstrip(b"\0").decode("utf-8", "replace")
 
 
 class Writer:
@@ -162,8 +203,15 @@ class Writer:
 
     def site(self, text: str) -> None:
         """Say where (a rank0() block); written before the state that refers to it."""
-        data = text.encode("utf-8", "replace")[: _SITE_BYTES - 1]
-        self.map[_SITE_OFFSET : _SITE_OFFSET + len(data) + 1] = data + b"\0"
+        data = text.encode("utf-8", "replace")[: _SITE_BYTES - 2]
+        self.map[_SITE_OFFSET : _SITE_OFFSET + len(data) + 2] = data + b"\0\0"
+
+    def pending(self, number: int, name: int, since: float, site: tuple[str, int, str] | None) -> None:
+        """Say which collective started here has not completed (``number`` 0: none), and where."""
+        if number and site is not None:
+            data = "\0".join((site[0], str(site[1]), site[2])).encode("utf-8", "replace")[: _SITE_BYTES - 2]
+            self.map[PENDING_SITE_OFFSET : PENDING_SITE_OFFSET + len(data) + 2] = data + b"\0\0"
+        PENDING.pack_into(self.map, PENDING_OFFSET, number, name, since)
 
     def close(self) -> None:
         self.map.close()

@@ -1,6 +1,7 @@
 """What the records of one node's workers say: nothing to report, or which situation (a pure function).
 
-- ``LATE``: some ranks have waited in a collective (or for rank 0) for ``hang_report`` seconds or
+- ``LATE``: some ranks have waited in a collective (its call, or one that has not completed since,
+  ``record.judged``; or for rank 0) for ``hang_report`` seconds or
   more while others are elsewhere (computing, sleeping, in another kind of wait, not running the
   user's code): those have not arrived.
 - ``RANK0_BUSY``: ranks wait for rank 0's ``rank0()`` block and rank 0 runs that very block (or
@@ -51,7 +52,8 @@ def judge(
     records: Mapping[int, record.Record | None], nproc: int, now: float, seconds: float
 ) -> list[Situation]:
     """The situations among this node's ``nproc`` workers (by local rank) at ``now``."""
-    running = {rank: r for rank, r in sorted(records.items()) if r is not None and r.active}
+    judged = {rank: record.judged(r) for rank, r in records.items()}  # a queued collective waits
+    running = {rank: r for rank, r in sorted(judged.items()) if r is not None and r.active}
     if not running:
         return []
     absent = tuple(rank for rank in range(nproc) if rank not in running)

@@ -139,5 +139,5 @@ class Watch:
 
 
 def _site(frames: dict[int, list[stacks.Frame]], rec: record.Record) -> tuple[str, int] | None:
-    frame = stacks.innermost_user(frames.get(rec.local_rank, []))
+    frame = message.call_site(rec, frames)
     return (frame.path, frame.line) if frame is not None else None

@@ -1,14 +1,20 @@
 """Failure triage: which rank's failure is the root cause, how each death is named, and where the
-ranks that never reached a timed-out collective were."""
+ranks that never reached a timed-out collective were (also when NCCL's watchdog aborted a rank
+that waited in one: its hang record still says so)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from typing import Any
 
 from autoddp import _compat, _finished, transport
 from autoddp.errors import UnevenBatchesError, WorkerError
+from autoddp.hang import message, pending, record
+
+#: Frames of the command's script runner, below the script's own in a stack.
+_RUNNER = ("<frozen runpy>", os.path.join(os.path.dirname(_finished.__file__), "_script.py"))
 
 
 def _exit_codes(context: Any) -> dict[int, int | None]:
@@ -18,12 +24,15 @@ def _exit_codes(context: Any) -> dict[int, int | None]:
     return _compat.forked_exit_codes(context)
 
 
-def first_failure(context: Any, result: Any, folder: str, world_size: int) -> BaseException:
+def first_failure(
+    context: Any, result: Any, folder: str, world_size: int, records: str = ""
+) -> BaseException:
     """The exception to raise in the caller: the root-cause failure, others listed briefly.
 
     A worker's own exception comes first unless it only reports a lost connection to a peer
     (a consequence); a worker that died without an exception counts as a cause. Workers that
-    autoddp itself stopped afterwards (SIGTERM) are not failures.
+    autoddp itself stopped afterwards (SIGTERM) are not failures. ``records``: the hang records'
+    folder, read when a rank died of a signal while it waited in a collective.
     """
     reports = transport.load_errors(folder)
     codes = _exit_codes(context)
@@ -49,6 +58,8 @@ def first_failure(context: Any, result: Any, folder: str, world_size: int) -> Ba
     others = [f"rank {rank}: {summary}" for _, _, rank, _, summary in entries[1:]]
     if others and hasattr(lead, "add_note"):
         lead.add_note("autoddp: other ranks also failed: " + "; ".join(others))
+    if records and lead_rank not in reports and isinstance(lead, WorkerError) and lead.signal:
+        _explain_death(lead, lead_rank, records, folder, codes)
     report = reports.get(lead_rank)
     if report is not None and report.is_timeout and hasattr(lead, "add_note"):
         _explain_timeout(lead, folder, codes, reports)
@@ -99,9 +110,60 @@ def _explain_timeout(lead: BaseException, folder: str, codes: dict[int, int | No
         "first steps are legitimately slow."
     )
     for rank in stuck:
-        stack = transport.read_stack(folder, rank)
+        stack = _without_our_threads(transport.read_stack(folder, rank))
         if stack:
             lead.add_note(f"autoddp: where rank {rank} was when stopped:\n{stack}")
+
+
+def _explain_death(
+    lead: BaseException, lead_rank: int, records: str, folder: str, codes: dict[int, int | None]
+) -> None:
+    """A rank killed while it waited in a collective (NCCL's watchdog aborts with SIGABRT once a
+    collective has not completed within the timeout): name the ranks that had not arrived, and where."""
+    now = time.monotonic()
+    judged = {rank: record.judged(record.read(record.record_path(records, rank))) for rank in codes}
+    dead = judged.get(lead_rank)
+    if dead is None or not dead.active or not dead.in_collective:
+        return
+    site = message.call_site(dead, {})
+    at = f" at {site.shown()}" if site is not None else ""
+    queued = " (called, not completed)" if dead.kind == record.QUEUED else ""
+    late = {
+        rank: rec
+        for rank, rec in sorted(judged.items())
+        if rank != lead_rank and rec is not None and rec.active and not rec.in_collective
+    }
+    waited = f"rank {lead_rank} died while it waited in {dead.what}{at}{queued}, for {now - dead.since:.1f} s"
+    if not late:
+        lead.add_note(f"autoddp: {waited}; every other rank was in a collective too")
+        return
+    ranks = ", ".join(map(str, late))
+    watchdog = (
+        " NCCL's watchdog aborts a rank (SIGABRT) whose collective has not completed within the "
+        "timeout; if the late rank's work is legitimately long, raise the timeout (timeout= in "
+        "@distributed, or init_process_group(timeout=...) in a script)"
+    )
+    why = watchdog if getattr(lead, "signal", None) == "SIGABRT" else ""
+    lead.add_note(f"autoddp: {waited}: rank {ranks} had not arrived (in no collective).{why}")
+    for rank, rec in late.items():
+        stack = _without_our_threads(transport.read_stack(folder, rank))
+        doing = f"in no collective for {now - rec.since:.1f} s"
+        lead.add_note(
+            f"autoddp: where rank {rank} was when stopped ({doing}):\n{stack or '(no stack written)'}"
+        )
+
+
+def _without_our_threads(stack: str) -> str:
+    """A faulthandler dump without the hang report's own poller thread, each thread's stack cut
+    where the script runner's frames begin (neither is the user's business)."""
+    kept = []
+    for block in stack.split("\n\n"):
+        if pending.__file__ in block:
+            continue
+        lines = block.splitlines()
+        end = next((n for n, line in enumerate(lines) if any(m in line for m in _RUNNER)), len(lines))
+        kept.append("\n".join(lines[:end]))
+    return "\n\n".join(kept)
 
 
 def _death_error(rank: int, code: int | None, pid: int | None, world_size: int) -> WorkerError:
@@ -112,7 +174,7 @@ def _death_error(rank: int, code: int | None, pid: int | None, world_size: int) 
             "SIGKILL": " (the kernel's out-of-memory killer sends SIGKILL: check memory use and `dmesg`)",
             "SIGSEGV": " (a crash in native code)",
             "SIGBUS": " (a crash in native code; in containers, often a too small /dev/shm)",
-            "SIGABRT": " (aborted by native code)",
+            "SIGABRT": " (aborted by native code; NCCL's watchdog aborts a rank whose collective timed out)",
         }.get(name, "")
         return WorkerError(f"{where} was killed by {name}{hint}", rank=rank, exitcode=code, signal=name)
     return WorkerError(

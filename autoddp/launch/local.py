@@ -181,7 +181,7 @@ def _attempt(
             watch = functools.partial(Watch, records, nproc, hang_report)
             context, result = supervise(entry, entry_args, envs, method, poll_seconds, logs, watch)
         if result.is_failed():
-            error = first_failure(context, result, folder, nproc)
+            error = first_failure(context, result, folder, nproc, records if hang_report > 0 else "")
             traces = diagnostics.keep_traces(folder, output.log_dir)
             if traces is not None:  # (the run folder goes with the run)
                 say(diagnostics.traces_line(traces))
