@@ -8,6 +8,7 @@ And no report where nobody is late (ranks computing, rank 0 busy in a ``rank0()`
 
 from __future__ import annotations
 
+import pathlib
 import socket
 import subprocess
 import sys
@@ -25,10 +26,17 @@ pytestmark = pytest.mark.timeout(120)
 
 
 class Run:
-    """A finished process with the moment each line of its output arrived."""
+    """A finished process with the moment each line of its output arrived.
 
-    def __init__(self, args: list[str], cwd, timeout: float = 90) -> None:
+    ``release``: when a line of its stderr contains this text, ``released`` is written in ``cwd``.
+    The late rank of these scripts waits for that file (``while not os.path.exists("released")
+    ...``, one line, so its stack names that line), not for a fixed time, so that no test sleeps
+    longer than the report takes.
+    """
+
+    def __init__(self, args: list[str], cwd, timeout: float = 90, release: str = "hang report") -> None:
         self.started = time.monotonic()
+        self.release, self.released = release, pathlib.Path(cwd) / "released"
         proc = subprocess.Popen(
             [sys.executable, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
@@ -36,7 +44,7 @@ class Run:
         self.err: list[tuple[float, str]] = []
         readers = [
             threading.Thread(target=self._read, args=(proc.stdout, self.out)),
-            threading.Thread(target=self._read, args=(proc.stderr, self.err)),
+            threading.Thread(target=self._read, args=(proc.stderr, self.err, self._release)),
         ]
         for reader in readers:
             reader.start()
@@ -48,9 +56,15 @@ class Run:
                 reader.join()
 
     @staticmethod
-    def _read(stream, lines: list[tuple[float, str]]) -> None:
+    def _read(stream, lines: list[tuple[float, str]], seen=None) -> None:
         for line in stream:
             lines.append((time.monotonic(), line.rstrip("\n")))
+            if seen is not None:
+                seen(line)
+
+    def _release(self, line: str) -> None:
+        if self.release in line:
+            self.released.touch()
 
     @property
     def stdout(self) -> str:
@@ -74,13 +88,14 @@ def line_of(path, text: str) -> int:
 
 
 DECORATED_LATE_RANK = """
-    import time
+    import os, time
     import torch, torch.distributed as dist
     import autoddp
 
 
-    def slow():
-        time.sleep(20)  # rank 1 is late
+    def slow():  # rank 1 is late
+        deadline = time.monotonic() + 30
+        while not os.path.exists("released") and time.monotonic() < deadline: time.sleep(0.1)
 
 
     @autoddp.distributed(nproc=2, backend="gloo", hang_report=4)
@@ -97,12 +112,13 @@ DECORATED_LATE_RANK = """
 """
 
 TORCHRUN_STYLE_LATE_RANK = """
-    import time
+    import os, time
     import torch, torch.distributed as dist
 
 
-    def slow():
-        time.sleep(20)  # rank 1 is late
+    def slow():  # rank 1 is late
+        deadline = time.monotonic() + 30
+        while not os.path.exists("released") and time.monotonic() < deadline: time.sleep(0.1)
 
 
     dist.init_process_group("gloo")
@@ -128,7 +144,7 @@ def _check_late_rank_report(run: Run, script) -> None:
     report = run.stderr.split("hang report", 1)[1].splitlines()
     late = next(n for n, line in enumerate(report) if "rank 1: in no collective for" in line)
     assert "its stack, your code first" in report[late]
-    sleeping = f"autoddp:     job.py:{line_of(script, 'time.sleep(20)')} in slow"
+    sleeping = f"autoddp:     job.py:{line_of(script, 'time.sleep(0.1)')} in slow"
     assert report[late + 1] == sleeping  # the sleeping function, first
     assert any("nothing is stopped" in line for line in report)
 
@@ -156,8 +172,8 @@ def test_ranks_that_all_compute_get_no_report(tmp_path):
         @autoddp.distributed(nproc=2, backend="gloo", hang_report=3)
         def train():
             autoddp.barrier()
-            x, deadline = torch.randn(64, 64), time.monotonic() + 10
-            while time.monotonic() < deadline:  # 10 s of work on every rank, no collective
+            x, deadline = torch.randn(64, 64), time.monotonic() + 7
+            while time.monotonic() < deadline:  # 7 s of work on every rank, no collective
                 x = torch.tanh(x @ x)
             autoddp.barrier()
             return "done"
@@ -175,12 +191,13 @@ def test_ranks_waiting_for_rank0s_block_are_told_so_not_reported_lost(tmp_path):
     script = write(
         tmp_path / "job.py",
         """
-        import time
+        import os, time
         import torch, torch.distributed as dist
         import autoddp
 
-        def evaluate():
-            time.sleep(8)  # a long evaluation on rank 0
+        def evaluate():  # a long evaluation on rank 0
+            deadline = time.monotonic() + 8
+            while not os.path.exists("released") and time.monotonic() < deadline: time.sleep(0.1)
 
         @autoddp.distributed(nproc=2, backend="gloo", hang_report=3)
         def train():
@@ -193,7 +210,7 @@ def test_ranks_waiting_for_rank0s_block_are_told_so_not_reported_lost(tmp_path):
         print("result", train())
         """,
     )
-    run = Run([str(script)], cwd=tmp_path)
+    run = Run([str(script)], cwd=tmp_path, release="waits for rank 0's rank0() block")
     assert run.code == 0, run.stderr
     assert "result 2.0" in run.stdout
     block = line_of(script, "with autoddp.rank0():")
@@ -208,11 +225,12 @@ def test_a_rank_late_for_ddps_gradient_all_reduce_is_named(tmp_path):
     script = write(
         tmp_path / "job.py",
         """
-        import time
+        import os, time
         import torch, autoddp
 
         def late():
-            time.sleep(10)
+            deadline = time.monotonic() + 10
+            while not os.path.exists("released") and time.monotonic() < deadline: time.sleep(0.1)
 
         @autoddp.distributed(nproc=2, backend="gloo", hang_report=3)
         def train():
@@ -237,12 +255,12 @@ def test_a_rank_late_for_ddps_gradient_all_reduce_is_named(tmp_path):
     (report,) = run.reports()
     waits = f"rank 0 waits in DDP's gradient all-reduce in backward() at job.py:{backward}"
     assert f"rank 1 has not arrived; {waits}" in report
-    assert f"job.py:{line_of(script, 'time.sleep(10)')} in late" in run.stderr
+    assert f"job.py:{line_of(script, 'time.sleep(0.1)')} in late" in run.stderr
 
 
 def test_hang_report_0_turns_it_off_and_bad_values_are_clear_errors(tmp_path):
     script = write(tmp_path / "job.py", DECORATED_LATE_RANK.replace("hang_report=4", "hang_report=0"))
-    write(script, script.read_text().replace("time.sleep(20)", "time.sleep(6)"))
+    write(script, script.read_text().replace("+ 30", "+ 6"))  # no report to wait for: 6 s
     run = Run([str(script)], cwd=tmp_path)
     assert run.code == 0 and "result 3.0" in run.stdout, run.stderr
     assert run.reports() == []
@@ -272,7 +290,7 @@ def test_across_nodes_node0_names_the_late_rank_or_each_node_reports_its_own(
     1, on node 1, with its stack; c10d: each node reports its own ranks."""
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         monkeypatch.delenv(name, raising=False)
-    script = write(tmp_path / "job.py", TORCHRUN_STYLE_LATE_RANK.replace("time.sleep(20)", "time.sleep(12)"))
+    script = write(tmp_path / "job.py", TORCHRUN_STYLE_LATE_RANK)
     endpoint = f"127.0.0.1:{_free_port()}"
     runs: list[Run] = []
 
@@ -298,7 +316,7 @@ def test_across_nodes_node0_names_the_late_rank_or_each_node_reports_its_own(
     if rendezvous == "static":
         waits = f"rank 0 waits in all_reduce at job.py:{all_reduce}"
         assert f"hang report (all nodes): rank 1 has not arrived; {waits}" in report
-        assert f"job.py:{line_of(script, 'time.sleep(12)')} in slow" in node0.stderr  # from node 1
+        assert f"job.py:{line_of(script, 'time.sleep(0.1)')} in slow" in node0.stderr  # from node 1
     else:
         assert f"hang report (this node): rank 0 waits in all_reduce at job.py:{all_reduce}" in report
         assert "every rank of this node waits, for ranks that run on other nodes" in report
