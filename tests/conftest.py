@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -56,15 +57,30 @@ def _clean_launcher_env(monkeypatch):
 def run_python(
     args: list[str], *, cwd: str | os.PathLike | None = None, stdin: str | None = None, timeout: float = 90
 ) -> subprocess.CompletedProcess:
-    """Run ``python ARGS`` in a fresh interpreter and capture its output."""
-    return subprocess.run(
+    """Run ``python ARGS`` in a fresh interpreter and capture its output.
+
+    On a timeout every process it started goes too (torchrun's workers would otherwise outlive a
+    killed torchrun, reparented where ``no_leftover_processes`` cannot see them).
+    """
+    proc = subprocess.Popen(
         [sys.executable, *args],
         cwd=cwd,
-        input=stdin,
-        capture_output=True,
+        stdin=subprocess.PIPE if stdin is not None else None,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
     )
+    try:
+        out, err = proc.communicate(input=stdin, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        family = psutil.Process(proc.pid).children(recursive=True)
+        proc.kill()
+        for child in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def write(path, text: str):
