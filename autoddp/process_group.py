@@ -246,17 +246,24 @@ def group_timeout(backend: Backend, timeout: datetime.timedelta | None) -> datet
 def _fresh_store(world: World, timeout: datetime.timedelta) -> Any:
     """The rendezvous store of the next group this process makes, under a key prefix of its own.
 
-    The store outlives a group (the launcher's agent store, or rank 0's own): a second group on
-    the same keys would read the first one's addresses (gloo: "connectFullMesh failed ...
-    Connection refused"; NCCL: the first one's unique id). Every init is collective, so the
-    n-th group made here is the n-th on every rank: the count names the prefix without a
-    message between ranks. A restart of the workers (``TORCHELASTIC_RESTART_COUNT``) is told
-    apart too, where the launcher keeps its store across restarts.
+    The store outlives a group: a second group on the same keys would read the first one's
+    addresses (gloo: "connectFullMesh failed ... Connection refused"; NCCL: the first one's
+    unique id). Every init is collective, so the n-th group made here is the n-th on every rank:
+    the count names the prefix without a message between ranks. A restart of the workers
+    (``TORCHELASTIC_RESTART_COUNT``) is told apart too, where the launcher keeps its store across
+    restarts. Where no launcher hosts the store (srun, mpirun, an operator: rank 0 serves it
+    itself), this process keeps its store for the next group of the same world: made anew, rank
+    0's server would go with the first group while a faster rank already knocks on it for the
+    second ("Failed to recv ... Connection was likely closed").
     """
     import torch.distributed as dist
 
     url = f"tcp://{_host_for_url(str(world.master_addr))}:{world.master_port}"
-    store, _, _ = next(dist.rendezvous(url, world.rank, world.world_size, timeout=timeout))
+    key = (url, world.rank, world.world_size)
+    if CURRENT.store is None or CURRENT.store[0] != key:
+        store, _, _ = next(dist.rendezvous(url, world.rank, world.world_size, timeout=timeout))
+        CURRENT.store = (key, store)
+    store = CURRENT.store[1]
     store.set_timeout(timeout)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     CURRENT.groups_made += 1

@@ -74,6 +74,8 @@ class Run:
         #: Process groups autoddp initialised in this process: the n-th one's keys live under a store
         #: prefix of its own (``process_group``), the same on every rank since each init is collective.
         self.groups_made: int = 0
+        #: ((url, rank, world size), store): the rendezvous store those groups share in this process.
+        self.store: tuple[tuple[str, int, int], Any] | None = None
         #: Models wrapped in each joined world, innermost last (weakly: a model may go).
         self._wrapped: list[weakref.WeakKeyDictionary[Any, Releasing]] = []
 

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 from torch.distributed import constants
@@ -178,3 +182,50 @@ def test_the_gloo_group_beside_nccl_is_lazy_unless_the_user_chose():
     assert side_gloo_variables({}, gpus=0) == {}
     assert side_gloo_variables({}, gpus=4) == {"TORCH_GLOO_LAZY_INIT": "1"}
     assert side_gloo_variables({"TORCH_GLOO_LAZY_INIT": "0"}, gpus=4) == {}
+
+
+def test_calls_in_place_where_rank_0_serves_the_store_itself(tmp_path):
+    """A launcher that only sets the variables (srun, mpirun, an operator): no agent store, rank 0
+    hosts it. A faster rank reaching the next call must not knock on the store of rank 0's
+    previous group, which goes with that group."""
+    script = write(
+        tmp_path / "calls.py",
+        """
+        import os, time, torch, autoddp, torch.distributed as dist
+
+        @autoddp.distributed
+        def step(k):
+            t = torch.ones(1) * k
+            dist.all_reduce(t)
+            if autoddp.rank() == 0:
+                time.sleep(0.5)  # rank 0 leaves its group last
+            return t.item()
+
+        print("results", step(1), step(2), step(3), flush=True)
+        """,
+    )
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                cwd=tmp_path,
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        )
+    try:
+        outputs = [proc.communicate(timeout=60) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for proc, (out, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, err[-3000:]
+        assert "results 2.0 4.0 6.0" in out
