@@ -207,3 +207,20 @@ def parameter_changes_watched(parameter: Any) -> bool:
     watched = torch.nn.Parameter.__dict__
     hooked = ("data", "requires_grad", "requires_grad_", "detach_")
     return PARAMETER_WATCH in watched and all(getattr(cls, name, None) is watched[name] for name in hooked)
+
+
+def device_context() -> Any:
+    """torch's default-device mode (``torch.utils._device.DeviceContext``): what both
+    ``torch.set_default_device(d)`` and ``with torch.device(d):`` make (the latter from C++), so
+    that the device it holds can be read where autoddp maps device indices."""
+    import torch.utils._device as device_module
+
+    context = _need(device_module, "DeviceContext", "to read the default device a script sets")
+    init = getattr(context, "__init__", None)
+    if getattr(init, "__code__", None) is None or init.__code__.co_varnames[:2] != ("self", "device"):
+        raise TorchCompatibilityError(
+            f"autoddp needs torch.utils._device.DeviceContext(device) (to read the default device a "
+            f"script sets), and torch {torch.__version__} changed it. Use a torch version autoddp "
+            "supports, or report it to autoddp with this message"
+        )
+    return context

@@ -430,3 +430,13 @@ def test_a_model_with_old_gradients_is_not_named_and_sites_skip_its_init(tmp_pat
     assert result.stdout.strip() == "True"
     assert "got gradients" not in result.stderr and "no model is distributed" not in result.stderr
     assert "Net (stale.py:15): DDP across 2 processes" in result.stderr
+
+
+def test_a_line_the_notice_said_is_not_said_again_for_another_key(capsys):
+    """A DataLoader made anew each epoch at one line is a new loader each time, one line in all."""
+    from autoddp.capture._notice import Notice
+
+    notice = Notice(rank=0, world_size=2)
+    for epoch in range(3):
+        notice.say(("loader", epoch), "DataLoader (train.py:19): sharded")
+    assert capsys.readouterr().err.count("DataLoader (train.py:19): sharded") == 1

@@ -167,3 +167,26 @@ def test_a_persistent_iterator_takes_the_order_of_its_next_pass():
     assert [b.tolist() for b in loader] == [[5, 4, 3], [2, 1, 0]]
     assert _compat.loader_iterator(loader) is iterator  # the same workers, the new order
     del loader, iterator
+
+
+def test_device_context_is_what_set_default_device_and_a_device_block_make():
+    made = []
+    context = _compat.device_context()
+    original = context.__init__
+
+    def record(self, device):
+        made.append(str(device))
+        original(self, device)
+
+    context.__init__ = record
+    try:
+        with torch.device("meta"):
+            assert torch.empty(1).device.type == "meta"
+        torch.set_default_device("meta")
+        try:
+            assert torch.empty(1).device.type == "meta"
+        finally:
+            torch.set_default_device(None)
+    finally:
+        context.__init__ = original
+    assert made == ["meta", "meta"]

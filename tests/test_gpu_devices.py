@@ -15,6 +15,7 @@ import json
 import os
 import sys
 
+import numpy
 import pytest
 import torch
 
@@ -82,6 +83,32 @@ if os.environ.get("FAKE_GPUS"):  # (forked workers inherit it from the caller or
         _dp_init(self, module, device_ids, output_device, dim)
 
     torch.nn.DataParallel.__init__ = dp_init
+
+    def storage_cuda(self, device=None, non_blocking=False):
+        record("storage_cuda", device)
+        return self
+
+    torch.UntypedStorage.cuda = storage_cuda
+    import torch.accelerator
+    torch.accelerator.set_device_index = lambda device: record("set_device_index", device)
+    import torch.utils._device as device_module
+    _context_init = device_module.DeviceContext.__init__
+
+    def context_init(self, device):  # set_default_device(d) and `with torch.device(d):`
+        record("default_device", device)
+        _context_init(self, _cpu(device))
+
+    device_module.DeviceContext.__init__ = context_init
+    _empty_like = torch.empty_like
+
+    def empty_like(tensor, *args, device=None, **kwargs):  # (Module.to_empty's)
+        if device is not None:
+            record("empty_like", device)
+        return _empty_like(tensor, *args, device=_cpu(device), **kwargs)
+
+    torch.empty_like = empty_like
+    torch.cuda.memory_allocated = lambda device=None: (record("memory_allocated", device), 0)[1]
+    torch.cuda.synchronize = lambda device=None: record("synchronize", device)
 """
 
 
@@ -139,6 +166,7 @@ def test_capture_reads_the_device_arguments_by_the_same_rule():
     devices = Devices(World(rank=1, local_rank=1, world_size=2, device="cuda:1"), lambda: None)
     assert devices.device(0) == 1 and devices.device(1) == 1
     assert devices.device(-1) == -1  # torch.cuda.device_of(a CPU tensor)
+    assert devices.device(numpy.int64(0)) == 1  # an index from NumPy, as torch takes it
     assert devices.device("cuda:0") == "cuda:1"
     assert devices.device(torch.device("cuda", 0)) == torch.device("cuda", 1)
     assert devices.device("cuda") == "cuda" and devices.device(torch.device("cuda")) == torch.device("cuda")
@@ -162,6 +190,17 @@ x = torch.randn(4, 3).cuda(0)
 model(x.to(device)).sum().backward()
 optimizer.step()
 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # torchrun-style code keeps working
+torch.accelerator.set_device_index(0)  # pytorch/examples' imagenet
+torch.load("ckpt.pt", map_location=lambda storage, location: storage.cuda(0))
+torch.set_default_device("cuda:0")
+torch.set_default_device(None)
+with torch.device("cuda:0"):
+    pass
+with torch.device("meta"):
+    later = nn.Linear(3, 2)
+later.to_empty(device="cuda:0")  # a meta-built model's weights
+nn.Linear(3, 2).cuda(numpy.int64(0))
+torch.cuda.memory_allocated(0), torch.cuda.synchronize(0)
 seen = {"context": torch.cuda.device(0).idx, "module": type(model.module).__name__}
 torch.load("ckpt.pt", map_location="cuda:0")  # the user's own map_location, read the same way
 torch.load("ckpt.pt", map_location={"cuda:0": "cuda:0"})
@@ -178,6 +217,7 @@ with open(f"seen{os.environ['RANK']}.json", "w") as file:
 #: A caller that touched CUDA: its tensors and a checkpoint are "on cuda:0" (tagged so when saved).
 CALLER = """
 import json, os
+import numpy
 import torch
 import torch.serialization as serialization
 from torch import nn
@@ -226,6 +266,8 @@ def _check_ranks(tmp_path, result, how: str) -> None:
         records = _records(tmp_path, rank)
         kinds = {kind for kind, _ in records}
         assert {"set_device", "to", "cuda", "restore", "data_parallel"} <= kinds, (how, records)
+        more = {"set_device_index", "storage_cuda", "default_device", "empty_like", "memory_allocated"}
+        assert more | {"synchronize"} <= kinds, (how, records)
         indices = {int(digit) for _, value in records for digit in value if digit.isdigit()}
         assert indices == {rank}, (how, rank, records)  # rank r asks for cuda:r only
         first_restore = next(i for i, (kind, _) in enumerate(records) if kind == "restore")
@@ -258,6 +300,7 @@ def test_each_rank_restores_the_callers_cuda_tensors_and_runs_gpu0_habits_on_its
         assert json.loads((tmp_path / f"parallel{rank}.json").read_text()) == [[rank], rank, f"cuda:{rank}"]
     assert "nn.DataParallel now runs on each process's own GPU only" in result.stderr
 
-    write(tmp_path / "train.py", "import json, os\nimport torch\nfrom torch import nn\n" + HABITS)
+    imports = "import json, os\nimport numpy\nimport torch\nfrom torch import nn\n"
+    write(tmp_path / "train.py", imports + HABITS)
     result = _run(tmp_path, ["-m", "autoddp.cli", "-n", "2", "train.py"], env)
     _check_ranks(tmp_path, result, "command")

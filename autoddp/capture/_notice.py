@@ -21,14 +21,16 @@ class Notice:
         self.rank = rank
         self.world_size = world_size
         self.said: set[object] = set()
+        self.lines: set[str] = set()  # (a loader made anew each epoch at one line: said once)
         self.captured = False
         self._held: list[str] = []
 
     def say(self, key: object, line: str, *, captured: bool = True) -> None:
         """Say ``line`` once for ``key`` (on rank 0; the other ranks found the same)."""
-        if key in self.said:
+        if key in self.said or line in self.lines:
             return
         self.said.add(key)
+        self.lines.add(line)
         if not captured and not self.captured:
             self._held.append(line)
             return

@@ -19,15 +19,17 @@ so NCCL keeps its peer-to-peer (NVLink, CUDA IPC) paths between the ranks' GPUs,
 from __future__ import annotations
 
 import functools
+import numbers
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from autoddp import placement
+from autoddp import _compat, placement
 from autoddp.capture._notice import Notice, where
 from autoddp.capture._registry import user_site
+from autoddp.errors import ConfigurationError
 from autoddp.state import World
 
 
@@ -44,9 +46,21 @@ class Devices:
         if self.own is None or self._patches:
             return
         self._patch(torch.cuda, "set_device", self._set_device)
+        for name in ("set_device_index", "set_device_idx"):  # (imagenet/main.py's way)
+            if hasattr(torch.accelerator, name):
+                self._patch(torch.accelerator, name, self._set_device)
+        for names, strict in ((_WORKING_ON, True), (_READING, False)):  # synchronize(0), memory_allocated(0)
+            for name in names:
+                if hasattr(torch.cuda, name):
+                    self._patch(torch.cuda, name, functools.partial(self._device_first, strict=strict))
         self._patch(torch.cuda.device, "__init__", self._device_context)
+        # torch.set_default_device("cuda:0") and `with torch.device("cuda:0"):` both make one
+        self._patch(_compat.device_context(), "__init__", self._device_context)
         self._patch(torch.Tensor, "to", self._tensor_to)
         self._patch(torch.Tensor, "cuda", self._tensor_cuda)
+        for storage in (torch.UntypedStorage, torch.TypedStorage):  # map_location=lambda s, l: s.cuda(0)
+            self._patch(storage, "cuda", self._tensor_cuda)
+        self._patch(torch.nn.Module, "to_empty", self._to_empty)  # a meta-built model's weights
         for owner in (torch, torch.serialization):
             self._patch(owner, "load", self._load)
         self._patch(torch.nn.DataParallel, "__init__", self._data_parallel)
@@ -69,8 +83,9 @@ class Devices:
     def device(self, device: Any) -> Any:
         """``device`` (an index, ``"cuda:k"``, a torch.device) with the GPU it means on this rank."""
         assert self.own is not None and self.world is not None
-        if type(device) is int:  # (-1: no device, as torch.cuda.device_of says for a CPU tensor)
-            return device if device < 0 else placement.own_index(device, self.own, self.world)
+        if isinstance(device, numbers.Integral) and not isinstance(device, bool):  # NumPy's too
+            # (-1: no device, as torch.cuda.device_of says for a CPU tensor)
+            return device if device < 0 else placement.own_index(int(device), self.own, self.world)
         if type(device) is str:
             if not device.startswith("cuda:") or not device[5:].isdigit():
                 return device  # "cuda", "cpu", or one torch refuses as it would
@@ -120,6 +135,27 @@ class Devices:
             original(self.device(device))
 
         return set_device
+
+    def _device_first(self, original: Any, strict: bool) -> Any:
+        def call(device: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if "device" in kwargs:
+                device = kwargs.pop("device")
+            if device is not None:
+                try:
+                    device = self.device(device)
+                except ConfigurationError:
+                    if strict:  # (work there would make a context on another process's GPU)
+                        raise
+                    # a question about another GPU (a monitor's loop over all of them) is answered
+            return original(device, *args, **kwargs)
+
+        return call
+
+    def _to_empty(self, original: Any) -> Any:
+        def to_empty(module: torch.nn.Module, *, device: Any, recurse: bool = True) -> Any:
+            return original(module, device=self.device(device), recurse=recurse)
+
+        return to_empty
 
     def _device_context(self, original: Any) -> Any:
         def __init__(context: Any, device: Any) -> None:
@@ -179,3 +215,19 @@ def _at(storage: Any, location: Any) -> Any:
     from torch.serialization import default_restore_location
 
     return default_restore_location(storage, str(location))
+
+
+#: torch.cuda functions whose first argument names a GPU (``None``: the current one): those that
+#: work on it (a context there), and those that only read about it.
+_WORKING_ON = ("synchronize", "mem_get_info")
+_READING = (
+    "memory_allocated",
+    "max_memory_allocated",
+    "memory_reserved",
+    "max_memory_reserved",
+    "memory_stats",
+    "reset_peak_memory_stats",
+    "get_device_name",
+    "get_device_properties",
+    "get_device_capability",
+)
