@@ -7,6 +7,7 @@ optimizer is named in the notice, and the notice points at the lines that made t
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 
 import pytest
@@ -157,7 +158,13 @@ IN_ORDER_TRAINING = """
 
 
 def test_training_that_nothing_distributes_is_named_in_the_notice(tmp_path):
-    manual = run_python(["-m", "autoddp.cli", "-n", "2", str(write(tmp_path / "sgd.py", MANUAL_SGD))])
+    scripts = {"sgd.py": MANUAL_SGD, "manual.py": MANUAL_BATCHES, "ordered.py": IN_ORDER_TRAINING}
+    with concurrent.futures.ThreadPoolExecutor(len(scripts)) as pool:  # three runs at once
+        runs = [
+            pool.submit(run_python, ["-m", "autoddp.cli", "-n", "2", str(write(tmp_path / name, text))])
+            for name, text in scripts.items()
+        ]
+        manual, batches, ordered = (run.result() for run in runs)
     assert manual.returncode == 0, manual.stderr
     assert (
         "autoddp:   not distributed: Net (sgd.py:14) got gradients at sgd.py:18, but no optimizer was "
@@ -165,7 +172,6 @@ def test_training_that_nothing_distributes_is_named_in_the_notice(tmp_path):
     )
     assert "pass it to autoddp.prepare(model)" in manual.stderr
 
-    batches = run_python(["-m", "autoddp.cli", "-n", "2", str(write(tmp_path / "manual.py", MANUAL_BATCHES))])
     assert batches.returncode == 0, batches.stderr
     assert (
         "autoddp:   not distributed: no pass over a shuffled DataLoader ran before the first optimizer step "
@@ -173,9 +179,6 @@ def test_training_that_nothing_distributes_is_named_in_the_notice(tmp_path):
         "same batches, 2 times the work" in batches.stderr
     )
 
-    ordered = run_python(
-        ["-m", "autoddp.cli", "-n", "2", str(write(tmp_path / "ordered.py", IN_ORDER_TRAINING))]
-    )
     assert ordered.returncode == 0, ordered.stderr
     assert "(the DataLoader at ordered.py:8 is in order, shuffle=False, so autoddp left it whole" in (
         ordered.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -111,15 +112,16 @@ def test_missing_script_is_a_one_line_usage_error(tmp_path):
 
 def test_bad_inputs_are_one_line_errors(tmp_path):
     (tmp_path / "folder").mkdir()
-    for args, fragment in [
+    (tmp_path / "x.py").write_text("")
+    cases = [
         ((), "no script given"),
         (("folder",), "is a folder without __main__.py"),
         (("-m", "no_such_module_xyz"), "no module named 'no_such_module_xyz'"),
         (("-n", "0", "x.py"), "is not a positive whole number"),
-    ]:
-        if args and args[-1] == "x.py":
-            (tmp_path / "x.py").write_text("")
-        proc = autoddp_cli(*args, cwd=tmp_path)
+    ]
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:  # the runs at once
+        procs = list(pool.map(lambda case: autoddp_cli(*case[0], cwd=tmp_path), cases))
+    for (args, fragment), proc in zip(cases, procs, strict=True):
         assert proc.returncode == 2, (args, proc.stderr)
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and fragment in lines[0], (args, proc.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import time
 import warnings
@@ -212,10 +213,14 @@ def test_the_command_behaves_as_torchrun_where_scripts_rely_on_it(tmp_path):
 
 def test_command_usage_errors_are_one_line(tmp_path):
     script = write(tmp_path / "s.py", "print('hi')\n")
-    bad_ranks = run_python(["-m", "autoddp.cli", "-n", "2", "--ranks", "foo", str(script)])
+    commands = [
+        ["-n", "2", "--ranks", "foo", str(script)],
+        ["--stratgy", "fsdp", str(script)],
+        ["--find-unused-parameters", "-n", "2", str(script)],
+    ]
+    with concurrent.futures.ThreadPoolExecutor(len(commands)) as pool:  # the runs at once
+        bad_ranks, typo, unused = pool.map(lambda args: run_python(["-m", "autoddp.cli", *args]), commands)
     assert bad_ranks.returncode == 2 and "Traceback" not in bad_ranks.stderr
     assert "comma-separated local ranks" in bad_ranks.stderr
-    typo = run_python(["-m", "autoddp.cli", "--stratgy", "fsdp", str(script)])
     assert typo.returncode == 2 and "did you mean --strategy?" in typo.stderr
-    unused = run_python(["-m", "autoddp.cli", "--find-unused-parameters", "-n", "2", str(script)])
     assert unused.returncode == 0, unused.stderr
