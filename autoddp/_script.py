@@ -182,6 +182,7 @@ def run_forked(argv: list[str]) -> None:
     gc.freeze()
     _compat.clear_atexit_hooks()
     _fresh_random_streams()
+    _worker.use_thread_count()  # (torch read OMP_NUM_THREADS in the command, before it was set)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):

@@ -111,6 +111,12 @@ def _set_up_process() -> None:
             signal.signal(getattr(signal, name), signal.SIG_DFL)
     die_with_parent()
     _FORKS.make_children_die_with_this_worker()
+    use_thread_count()
+
+
+def use_thread_count() -> None:
+    """Compute with the threads ``OMP_NUM_THREADS`` says: a forked worker's torch read the variable
+    in the parent, at its import, before the launcher set it for this worker."""
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))

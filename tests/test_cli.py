@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from conftest import write
+from conftest import run_python, write
 
 TORCHRUN_STYLE = """
     import os, sys
@@ -168,3 +168,31 @@ def test_console_script_is_installed():
     exe = os.path.join(os.path.dirname(sys.executable), "autoddp")
     proc = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "autoddp" in proc.stdout
+
+
+def test_workers_compute_with_the_threads_their_environment_says_as_under_torchrun(tmp_path, monkeypatch):
+    """The command forks its workers from a process whose torch read OMP_NUM_THREADS at its import,
+    before the launcher set it per worker: each worker must still run with its own count."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    script = write(
+        tmp_path / "threads.py",
+        """
+        import os, torch
+        print("threads", os.environ["RANK"], os.environ["OMP_NUM_THREADS"], torch.get_num_threads())
+        """,
+    )
+    launchers = [
+        ["-m", "autoddp.cli", "-n", "2", "--ranks", "all"],
+        ["-m", "torch.distributed.run", "--nproc-per-node", "2"],
+    ]
+    with concurrent.futures.ThreadPoolExecutor(len(launchers)) as pool:
+        procs = list(pool.map(lambda launcher: run_python([*launcher, str(script)], cwd=tmp_path), launchers))
+    seen = []
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr
+        said = [line for line in proc.stdout.splitlines() if "threads " in line]
+        lines = [line.split("threads ", 1)[1].split() for line in said]
+        seen.append(sorted((int(rank), int(variable), int(used)) for rank, variable, used in lines))
+    for ranks in seen:  # (the counts may differ: autoddp gives cores / processes, torchrun 1)
+        assert [rank for rank, _, _ in ranks] == [0, 1]
+        assert all(used == variable for _, variable, used in ranks), seen
