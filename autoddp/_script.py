@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import datetime
 import gc
 import json
 import os
@@ -79,17 +80,21 @@ class _ScriptWorld:
     it at exit with any other group left open; after a failure it is left to the exit.
     """
 
-    def __init__(self, world: World, backend: process_group.Backend) -> None:
-        self.world, self.backend = world, backend
+    def __init__(
+        self, world: World, backend: process_group.Backend, timeout: datetime.timedelta | None
+    ) -> None:
+        self.world, self.backend, self.timeout = world, backend, timeout
         self._joined: Any = None
 
     def join(self) -> World:
         # preflight's notices were printed when the GPU was pinned (_start_capture)
-        self._joined = process_group.joined(self.world, self.backend, announce=False)
+        self._joined = process_group.joined(self.world, self.backend, self.timeout, announce=False)
         return self._joined.__enter__()
 
 
-def _start_capture(capture_on: bool, options: RunOptions) -> capture.Session | None:
+def _start_capture(
+    capture_on: bool, options: RunOptions, timeout: datetime.timedelta | None = None
+) -> capture.Session | None:
     """Pin this process's GPU and install capture, in a world of several processes with capture on."""
     world = environment.detect().world()
     if world.world_size <= 1 or not capture_on:
@@ -101,30 +106,33 @@ def _start_capture(capture_on: bool, options: RunOptions) -> capture.Session | N
         own = own_gpu(world, torch.cuda.device_count())  # gloo beside GPUs: the one its rank would take
         if own is not None:
             torch.cuda.set_device(own)
-    script_world = _ScriptWorld(world, backend)
+    script_world = _ScriptWorld(world, backend, timeout)
     session = capture.Session(options, join=script_world.join, planned=world)
     session.install()
     return session
 
 
-def _runner_flags(argv: list[str]) -> tuple[bool, RunOptions, list[str]]:
-    """The command's own flags before the script: ``--no-capture``, ``--run-options JSON``."""
-    capture_on, options = True, RunOptions()
-    while argv[:1] in (["--no-capture"], ["--run-options"]):
+def _runner_flags(argv: list[str]) -> tuple[bool, RunOptions, datetime.timedelta | None, list[str]]:
+    """The command's own flags before the script: ``--no-capture``, ``--run-options JSON``,
+    ``--timeout SECONDS``."""
+    capture_on, options, timeout = True, RunOptions(), None
+    while argv[:1] in (["--no-capture"], ["--run-options"], ["--timeout"]):
         if argv[0] == "--no-capture":
             capture_on, argv = False, argv[1:]
+        elif argv[0] == "--timeout":
+            timeout, argv = process_group.as_timeout(float(argv[1])), argv[2:]
         else:
             given = json.loads(argv[1])
             given["fsdp_blocks"] = tuple(given.get("fsdp_blocks", ()))
             options, argv = dataclasses.replace(options, **given), argv[2:]
-    return capture_on, options, argv
+    return capture_on, options, timeout, argv
 
 
 def _run_captured(argv: list[str]) -> None:
     """Run the script, under capture unless the command said ``--no-capture``."""
-    capture_on, options, argv = _runner_flags(argv)
+    capture_on, options, timeout, argv = _runner_flags(argv)
     with marks.marking(environment.detect().world()):  # the hang report's record (outermost hooks)
-        session = _start_capture(capture_on, options)
+        session = _start_capture(capture_on, options, timeout)
         try:
             _run(argv)
         finally:

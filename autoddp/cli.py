@@ -220,6 +220,14 @@ def _check_target(target: str | None, as_module: bool) -> None:
     help="When ranks have waited this long in a collective for others, say which rank is late and "
     "where (its stack); the run goes on. 0 turns it off.",
 )
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    metavar="SECONDS",
+    help="How long a collective may wait before the run fails (the process group autoddp makes for "
+    "a plain script; @distributed(timeout=) for a function).  [default: 10 minutes on GPUs, 30 on CPU]",
+)
 @click.argument("script", required=False, metavar="SCRIPT")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="[ARGS]...")
 @click.version_option(package_name="autoddp", prog_name="autoddp")
@@ -246,6 +254,7 @@ def main(
     find_unused_parameters: bool,
     capture: bool,
     hang_report: float,
+    timeout: float | None,
     script: str | None,
     script_args: tuple[str, ...],
 ) -> None:
@@ -266,7 +275,12 @@ def main(
     if master is None and master_addr is not None:
         master = f"{master_addr}:{master_port or 29500}"
     if script == "env" and not as_module and not os.path.exists("env"):
-        _env_report(master or rdzv_endpoint, script_args)
+        from autoddp import report
+
+        try:
+            click.echo(report.for_command(master or rdzv_endpoint, script_args))
+        except ConfigurationError as error:
+            _fail(str(error))
         return
     _check_target(script, as_module)
     count = _process_count(nproc)
@@ -286,6 +300,7 @@ def main(
     argv = [
         *([] if capture else ["--no-capture"]),
         *(["--run-options", json.dumps(run_options)] if strategy != "ddp" or find_unused_parameters else []),
+        *(["--timeout", repr(timeout)] if timeout is not None else []),
         *(["--module"] if as_module else []),
         script,
         *script_args,
@@ -298,20 +313,6 @@ def main(
     except ConfigurationError as error:
         _fail(str(error))
     sys.exit(_launch(count, argv, max_restarts, monitor_interval, output, hang_report))
-
-
-def _env_report(master: str | None, args: tuple[str, ...]) -> None:
-    """``autoddp env [--master HOST:PORT]``: the report, with the interface towards node 0 if given."""
-    rest = list(args)
-    if rest[:1] == ["--master"] and len(rest) == 2:
-        master, rest = rest[1], []
-    elif len(rest) == 1 and rest[0].startswith("--master="):
-        master, rest = rest[0].partition("=")[2], []
-    if rest:
-        _fail("autoddp env takes only --master HOST:PORT (to run a script named env, write ./env)")
-    from autoddp.report import describe
-
-    click.echo(describe(master=master))
 
 
 def _launch_nodes(

@@ -196,3 +196,27 @@ def test_workers_compute_with_the_threads_their_environment_says_as_under_torchr
     for ranks in seen:  # (the counts may differ: autoddp gives cores / processes, torchrun 1)
         assert [rank for rank, _, _ in ranks] == [0, 1]
         assert all(used == variable for _, variable, used in ranks), seen
+
+
+def test_timeout_bounds_a_plain_scripts_collectives(tmp_path):
+    """--timeout: the group autoddp makes for a plain script waits that long, then the run fails
+    naming the rank that had not arrived."""
+    script = write(
+        tmp_path / "stall.py",
+        """
+        import os, time, torch
+        from torch import nn
+        model = nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)  # capture makes the group here
+        if os.environ["RANK"] == "1":
+            time.sleep(60)  # rank 1 stalls
+        model(torch.ones(4, 2)).sum().backward()
+        opt.step()
+        """,
+    )
+    proc = autoddp_cli("-n", "2", "--timeout", "2", str(script), cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert "Timed out waiting 2000ms" in proc.stderr
+    assert "rank(s) 1 had not arrived" in proc.stderr and "autoddp --timeout" in proc.stderr
+    bad = autoddp_cli("--timeout", "0", str(script), cwd=tmp_path)
+    assert bad.returncode == 2 and "--timeout" in bad.stderr

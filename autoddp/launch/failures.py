@@ -106,8 +106,8 @@ def _explain_timeout(lead: BaseException, folder: str, codes: dict[int, int | No
         return
     lead.add_note(
         f"autoddp: a collective timed out; rank(s) {', '.join(map(str, stuck))} had not arrived "
-        "(still running elsewhere when autoddp stopped them). Raise timeout= in @distributed if the "
-        "first steps are legitimately slow."
+        "(still running elsewhere when autoddp stopped them). Raise timeout= in @distributed "
+        "(autoddp --timeout for a script) if the first steps are legitimately slow."
     )
     for rank in stuck:
         stack = _without_our_threads(transport.read_stack(folder, rank))
