@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import difflib
-import importlib.util
 import json
 import os
-import signal
 import sys
 
 import click
 
-from autoddp import environment, hardware
-from autoddp.errors import ConfigurationError, WorkerError
+from autoddp import environment
+from autoddp.command import arguments, runs
+from autoddp.command.arguments import fail
+from autoddp.errors import ConfigurationError
 from autoddp.hang import record as hang_record
-from autoddp.launch import in_place, local, nodes
 from autoddp.launch import output as launch_output
 from autoddp.launch import plan as launch_plan
+from autoddp.launch.contract import DEFAULT_ROLE
 
 _CONTEXT = {
     "help_option_names": ["-h", "--help"],
@@ -25,58 +24,7 @@ _CONTEXT = {
 }
 
 
-def _fail(message: str, code: int = 2) -> None:
-    """One line on stderr naming the problem and the fix, then exit (2: usage error)."""
-    click.echo(f"autoddp: error: {message}", err=True)
-    sys.exit(code)
-
-
-def _process_count(value: str | None) -> int:
-    gpus = hardware.gpu_count()
-    if value is None or value in ("auto", "gpu"):
-        if value == "gpu" and gpus == 0:
-            _fail("--nproc-per-node=gpu but no GPU is visible; give a number, e.g. -n 2")
-        return gpus or 1
-    if value == "cpu":
-        return 1
-    try:
-        count = int(value)
-    except ValueError:
-        count = 0
-    if count < 1:
-        _fail(f"--nproc-per-node={value!r} is not a positive whole number (or 'auto', 'gpu', 'cpu')")
-    if gpus and count > gpus:
-        _fail(f"--nproc-per-node={count} but only {gpus} GPU(s) are visible; use at most {gpus}")
-    return count
-
-
-def _check_target(target: str | None, as_module: bool) -> None:
-    if target is None:
-        _fail("no script given: autoddp [OPTIONS] script.py [ARGS]... (see autoddp --help)")
-    if target.startswith("-") and not os.path.exists(target):
-        known = [opt for param in main.params for opt in param.opts + param.secondary_opts]
-        close = difflib.get_close_matches(target.split("=", 1)[0], known, n=1)
-        hint = f"; did you mean {close[0]}?" if close else ""
-        _fail(
-            f"unknown option {target!r}{hint} (autoddp's options come before the script; see autoddp --help)"
-        )
-    if as_module:
-        sys.path.insert(0, os.getcwd())
-        try:
-            found = importlib.util.find_spec(target) is not None
-        except (ImportError, ValueError):
-            found = False
-        finally:
-            sys.path.pop(0)
-        if not found:
-            _fail(f"no module named {target!r} importable from {os.getcwd()}; check the name and folder")
-    elif not os.path.exists(target):
-        _fail(f"no such script: {target!r} (looked in {os.getcwd()})")
-    elif os.path.isdir(target) and not os.path.exists(os.path.join(target, "__main__.py")):
-        _fail(f"{target!r} is a folder without __main__.py; give the script to run inside it")
-
-
-@click.command(context_settings=_CONTEXT)
+@click.command(cls=arguments.OneLineCommand, context_settings=_CONTEXT)
 @click.option(
     "-n",
     "--nproc-per-node",
@@ -114,10 +62,21 @@ def _check_target(target: str | None, as_module: bool) -> None:
     help="Seconds between checks of the workers' health.",
 )
 @click.option(
+    "--start-method",
+    "--start_method",
+    "start_method",
+    default=None,
+    metavar="fork|spawn",
+    help="How workers start on one machine (several: fresh interpreters).  [default: fork where safe]",
+)
+@click.option("--role", default=DEFAULT_ROLE, show_default=True, help="The workers' ROLE_NAME.")
+@click.option(
     "--standalone",
     is_flag=True,
     help="Accepted for torchrun compatibility.  [default: always standalone on a single node]",
 )
+@click.option("--run-path", "--run_path", "run_path", is_flag=True, help="Accepted: scripts run with runpy.")
+@click.option("-q", "--quiet", is_flag=True, help="No start-up line from autoddp (how many processes, why).")
 @click.option(
     "--ranks",
     "--local-ranks-filter",
@@ -143,7 +102,7 @@ def _check_target(target: str | None, as_module: bool) -> None:
     default=None,
     help="This machine's rank, 0 to nnodes-1 (static rendezvous).  [default: 0]",
 )
-@click.option("--master", default=None, metavar="HOST:PORT", help="Node 0's address for multi-node runs.")
+@click.option("--master", default=None, metavar="HOST:PORT", help="Node 0's address, where the store is.")
 @click.option(
     "--master-addr",
     "--master_addr",
@@ -157,7 +116,7 @@ def _check_target(target: str | None, as_module: bool) -> None:
     "master_port",
     type=click.IntRange(1, 65535),
     default=None,
-    help="torchrun's spelling of --master's PORT.  [default: 29500 with --master-addr]",
+    help="torchrun's spelling of --master's PORT.  [default: one machine: a free port; several: 29500]",
 )
 @click.option(
     "--rdzv-endpoint",
@@ -172,11 +131,26 @@ def _check_target(target: str | None, as_module: bool) -> None:
     "--rdzv_backend",
     "rdzv_backend",
     default=None,
-    type=click.Choice(["static", "c10d"]),
+    metavar="static|c10d",
     help="Rendezvous backend.  [default: static with --master, c10d with --rdzv-endpoint]",
 )
 @click.option(
     "--rdzv-id", "--rdzv_id", "rdzv_id", default=None, help="Job id shared by all nodes.  [default: autoddp]"
+)
+@click.option(
+    "--rdzv-conf",
+    "--rdzv_conf",
+    "rdzv_conf",
+    default=None,
+    metavar="KEY=VALUE,...",
+    help="Several machines: the rendezvous's settings, e.g. join_timeout=600.",
+)
+@click.option(
+    "--local-addr",
+    "--local_addr",
+    "local_addr",
+    default=None,
+    help="Several machines: the address the others reach this one by.  [default: the route to node 0]",
 )
 @click.option(
     "--strategy",
@@ -236,7 +210,11 @@ def main(
     as_module: bool,
     max_restarts: int,
     monitor_interval: float,
+    start_method: str | None,
+    role: str,
     standalone: bool,
+    run_path: bool,
+    quiet: bool,
     ranks: str,
     log_dir: str | None,
     nnodes: str | None,
@@ -247,6 +225,8 @@ def main(
     rdzv_endpoint: str | None,
     rdzv_backend: str | None,
     rdzv_id: str | None,
+    rdzv_conf: str | None,
+    local_addr: str | None,
     strategy: str,
     fsdp_blocks: str | None,
     mixed_precision: str | None,
@@ -264,32 +244,41 @@ def main(
     wrapped in DDP, its shuffled DataLoaders are sharded (ordered ones, for evaluation, stay
     whole) and torch.save to a path is written once, by rank 0 (--no-capture turns this off).
     A torchrun-style script that sets up torch.distributed itself is left alone: every process
-    gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and a free MASTER_PORT as
-    torchrun sets them; ARGS reach the script untouched. Functions decorated with
-    @autoddp.distributed run in place in each process. A failing process stops all of them and
-    the command exits non-zero with that process's traceback.
+    gets every variable torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE,
+    LOCAL_WORLD_SIZE, MASTER_ADDR, a free MASTER_PORT, ...) with torchrun's values; ARGS reach
+    the script untouched. Functions decorated with @autoddp.distributed run in place in each
+    process. A failing process stops all of them and the command exits non-zero with that
+    process's traceback. torchrun's flags work as in torchrun, or stop with one line saying
+    what autoddp does instead.
 
     `autoddp env` prints a report to paste into a bug report: versions, GPUs, the detected
-    launcher and why, and what autoddp would do here.
+    launcher and why, and what the decorator and this command would do here.
     """
+    given = (master, master_addr, master_port)  # one machine: where its store listens
     if master is None and master_addr is not None:
         master = f"{master_addr}:{master_port or 29500}"
     if script == "env" and not as_module and not os.path.exists("env"):
         from autoddp import report
 
         try:
-            click.echo(report.for_command(master or rdzv_endpoint, script_args))
+            asked = arguments.process_count(nproc) if nproc else None
+            click.echo(report.for_command(master or rdzv_endpoint, script_args, asked))
         except ConfigurationError as error:
-            _fail(str(error))
+            fail(str(error))
         return
-    _check_target(script, as_module)
-    count = _process_count(nproc)
+    arguments.choice("--rdzv-backend", rdzv_backend, launch_plan.RDZV_BACKENDS)
+    arguments.choice("--start-method", start_method, ("fork", "spawn"))
+    arguments.check_target(script, as_module, [o for p in main.params for o in p.opts + p.secondary_opts])
+    count = arguments.process_count(nproc)
     try:
-        plan = launch_plan.plan(nnodes, node_rank, master, rdzv_endpoint, rdzv_backend, rdzv_id)
+        plan = launch_plan.plan(
+            nnodes, node_rank, master, rdzv_endpoint, rdzv_backend, rdzv_id, rdzv_conf, local_addr
+        )
+        store = launch_plan.one_node_store(*given)
     except ConfigurationError as error:
-        _fail(str(error))
+        fail(str(error))
     if strategy != "fsdp" and (fsdp_blocks or mixed_precision or cpu_offload):
-        _fail("--fsdp-blocks, --mixed-precision and --cpu-offload are FSDP's options: add --strategy fsdp")
+        fail("--fsdp-blocks, --mixed-precision and --cpu-offload are FSDP's options: add --strategy fsdp")
     run_options = {
         "strategy": strategy,
         "fsdp_blocks": [b.strip() for b in (fsdp_blocks or "").split(",") if b.strip()],
@@ -306,92 +295,17 @@ def main(
         *script_args,
     ]
     if plan.multi:
-        sys.exit(_launch_nodes(plan, count, argv, max_restarts, monitor_interval, hang_report))
+        sys.exit(runs.run_nodes(plan, count, argv, max_restarts, monitor_interval, hang_report, role))
     try:
         output = launch_output.Output(ranks, log_dir)
         output.shown(count)
     except ConfigurationError as error:
-        _fail(str(error))
-    sys.exit(_launch(count, argv, max_restarts, monitor_interval, output, hang_report))
-
-
-def _launch_nodes(
-    plan: launch_plan.Nodes,
-    nproc: int,
-    argv: list[str],
-    max_restarts: int,
-    monitor_interval: float,
-    hang_report: float = hang_record.DEFAULT_SECONDS,
-) -> int:
-    """This machine's share of a multi-node run, through elastic's agent and rendezvous."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    try:
-        nodes.run_agent(
-            plan,
-            nproc,
-            ["-m", "autoddp._script", *argv],
-            max_restarts=max_restarts,
-            monitor_interval=monitor_interval,
-            hang_report=hang_report,
-        )
-    except ConfigurationError as error:  # before anything started: node 0's address, say
-        _fail(str(error))
-    except ChildFailedError as error:
-        click.echo(
-            f"autoddp: {nodes.describe_failure(error, nproc * plan.max_nodes)}; its traceback is above",
-            err=True,
-        )
-        return 1
-    except SignalException as error:
-        click.echo(f"autoddp: {error.sigval.name} received: stopped all workers on this node", err=True)
-        return 128 + int(error.sigval)
-    return 0
-
-
-def _launch(
-    nproc: int,
-    argv: list[str],
-    max_restarts: int,
-    monitor_interval: float,
-    output: launch_output.Output,
-    hang_report: float = hang_record.DEFAULT_SECONDS,
-) -> int:
-    """Run the script once per process on this machine; the exit status of the command."""
-    env = environment.detect()
-    if env.launched:
-        # Already one process of a distributed run (srun, mpirun, torchrun): no second layer.
-        try:
-            in_place.exec_script(argv, env.world())
-        except ConfigurationError as error:
-            _fail(str(error))
-    try:
-        local.launch_script(
-            argv,
-            nproc=nproc,
-            max_restarts=max_restarts,
-            poll_seconds=monitor_interval,
-            output=output,
-            hang_report=hang_report,
-        )
-    except KeyboardInterrupt:  # Ctrl-C: the workers are stopped and one line was printed
-        return 128 + int(signal.SIGINT)
-    except SystemExit as error:  # a rank called sys.exit(code): the launcher said so in one line
-        return error.code if isinstance(error.code, int) else 1
-    except WorkerError as error:  # died without a Python exception: there is no traceback to point at
-        click.echo(f"autoddp: {error}", err=True)
-        for note in getattr(error, "__notes__", ()):  # e.g. the late rank a rank aborted waiting for
-            if note.startswith("autoddp:"):
-                click.echo(note, err=True)
-        return 1
-    except Exception as error:  # a worker failed: it printed its own traceback
-        click.echo(f"autoddp: {launch_output.one_line(error)} (its traceback is above)", err=True)
-        for note in getattr(error, "__notes__", ()):  # what autoddp found out about it
-            if note.startswith("autoddp:"):
-                click.echo(note, err=True)
-        return 1
-    return 0
+        fail(str(error))
+    line = arguments.process_line(nproc, count, script_args)
+    if line and not quiet and not environment.detect().launched:
+        click.echo(line, err=True)
+    settings = {"start_method": start_method or "auto", "role": role, "store": store}
+    sys.exit(runs.run_here(count, argv, max_restarts, monitor_interval, output, hang_report, **settings))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,11 @@ _SETTINGS = (
 
 
 def describe(
-    environ: Mapping[str, str] | None = None, *, name_gpus: bool = True, master: str | None = None
+    environ: Mapping[str, str] | None = None,
+    *,
+    name_gpus: bool = True,
+    master: str | None = None,
+    nproc: int | None = None,
 ) -> str:
     """The report for ``environ`` (default: this process's environment), ready to paste.
 
@@ -46,7 +50,8 @@ def describe(
     a multi-node run would use from here. Versions and GPUs are this process's own. Naming the
     GPUs initialises CUDA here (a later ``@distributed`` call then starts workers as fresh
     interpreters, not by fork), so it is done last and only when a GPU is visible;
-    ``name_gpus=False`` counts them only.
+    ``name_gpus=False`` counts them only. ``nproc``: the processes the command was asked for
+    (``autoddp -n N env``; default: what ``autoddp script.py`` would start here).
     """
     environ = os.environ if environ is None else environ
     try:
@@ -57,6 +62,7 @@ def describe(
     backend = _safe(lambda: _backend(gpus))
     start = _safe(lambda: _start_method(gpus))
     launch = _launch_section(environ, gpus, backend, start, master)
+    command = _safe(lambda: "\n".join(_command_section(environ, gpus, nproc)))
     versions = [
         ("python", _safe(_python)),
         ("platform", _safe(platform.platform)),
@@ -73,6 +79,7 @@ def describe(
             f"autoddp {_safe(_autoddp_version)} environment report",
             *_rows(versions, indent=2),
             *launch,
+            command,
             *_rows([("settings", settings or "none of " + ", ".join(_SETTINGS) + " is set")], indent=0),
         ]
     )
@@ -123,6 +130,41 @@ def _launch_section(
     rows.append(("  start method", start))
     rows.append(("  port policy", _safe(env.port_policy)))
     rows.append(("  network", _safe(lambda: _network(environ, world if env.launched else None, master))))
+    return _rows(rows, indent=0)
+
+
+def _command_section(environ: Mapping[str, str], gpus: int, nproc: int | None) -> list[str]:
+    """What ``autoddp script.py`` would do here: processes, threads, backend, start, network."""
+    from autoddp import process_group
+    from autoddp.launch import start_method as launch
+
+    env = environment.detect(environ)
+    if env.launched:
+        return _rows(
+            [
+                ("command", f"autoddp script.py here: runs the script in place in this {env.name} process"),
+                ("  processes", "the launcher's; no second layer of workers, torchrun's variables given"),
+            ],
+            indent=0,
+        )
+    count = nproc or gpus or 1
+    why = "asked for" if nproc else ("one per visible GPU" if gpus else "no GPU found: -n N for N on the CPU")
+    threads = hardware.omp_threads(count, environ)
+    threads = (
+        f"{threads} per process ({hardware.cpu_count()} cores / {count}; OMP_NUM_THREADS to change)"
+        if threads is not None
+        else f"{environ['OMP_NUM_THREADS']} per process (OMP_NUM_THREADS, yours)"
+    )
+    backend = process_group.resolve_backend(None, gpus)
+    method, reason = launch.choose_start_method("auto", None)
+    group = "NCCL for CUDA tensors, gloo for CPU ones" if backend.use_cuda else "gloo"
+    rows = [
+        ("command", f"autoddp script.py here: {count} process{'es' if count > 1 else ''} ({why})"),
+        ("  threads", threads),
+        ("  backend", f"{group}, in the group capture makes for a plain script (one per process)"),
+        ("  start method", f"{method} ({reason})"),
+        ("  network", "one machine: the store on 127.0.0.1 (--master-addr/--master-port to choose)"),
+    ]
     return _rows(rows, indent=0)
 
 
@@ -253,8 +295,9 @@ def _start_method(gpus: int) -> str:
     return f"{method} ({reason})"
 
 
-def for_command(master: str | None, args: tuple[str, ...]) -> str:
-    """``autoddp env [--master HOST:PORT]``: the report, with the interface towards node 0 if given."""
+def for_command(master: str | None, args: tuple[str, ...], nproc: int | None = None) -> str:
+    """``autoddp [-n N] env [--master HOST:PORT]``: the report, with the interface towards node 0 if
+    given and the command's processes (``nproc``, asked for; else what it would choose)."""
     rest = list(args)
     if rest[:1] == ["--master"] and len(rest) == 2:
         master, rest = rest[1], []
@@ -264,4 +307,4 @@ def for_command(master: str | None, args: tuple[str, ...]) -> str:
         raise ConfigurationError(
             "autoddp env takes only --master HOST:PORT (to run a script named env, write ./env)"
         )
-    return describe(master=master)
+    return describe(master=master, nproc=nproc)

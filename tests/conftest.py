@@ -12,6 +12,8 @@ import time
 import psutil
 import pytest
 
+from autoddp.launch.contract import TORCHRUN_VARIABLES
+
 
 @pytest.fixture(autouse=True)
 def no_leftover_processes():
@@ -35,14 +37,8 @@ def no_leftover_processes():
 
 #: Variables that launchers (torchrun, srun, mpirun, autoddp) set; tests start without them.
 LAUNCHER_PREFIXES = ("SLURM_", "SLURMD_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "TORCHELASTIC_", "AUTODDP_")
-LAUNCHER_NAMES = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
+LAUNCHER_NAMES = tuple(
+    name for name in TORCHRUN_VARIABLES if not name.startswith("TORCH") and name != "OMP_NUM_THREADS"
 )
 
 

@@ -254,7 +254,7 @@ def test_master_port_taken_is_a_clear_error(monkeypatch):
         pass
 
     try:
-        with pytest.raises(ConfigurationError, match="MASTER_PORT=.* cannot be used.*Unset MASTER_PORT"):
+        with pytest.raises(ConfigurationError, match="MASTER_PORT=.* cannot be used.*unset MASTER_PORT"):
             train()
     finally:
         holder.close()

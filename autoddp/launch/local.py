@@ -9,21 +9,20 @@ root-cause failure as the original exception. Every attempt gets a fresh run fol
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import uuid
 from collections.abc import Callable
 from typing import Any
 
-from autoddp import _warn, _worker, hardware, preflight, transport
+from autoddp import _warn, _worker, preflight, transport
 from autoddp.environment import LOOPBACK
 from autoddp.errors import ConfigurationError, SerializationError
 from autoddp.hang import record as hang_record
 from autoddp.hang.watch import Watch
 from autoddp.launch import diagnostics
+from autoddp.launch.contract import DEFAULT_ROLE, Contract, worker_envs
 from autoddp.launch.failures import first_failure
 from autoddp.launch.output import Output, announce_exit, one_line, say, show_hidden_output
-from autoddp.launch.side_gloo import side_gloo_variables
 from autoddp.launch.start_method import choose_start_method, preload_for_forked_workers
 from autoddp.launch.store import loopback_store
 from autoddp.launch.supervise import POLL_SECONDS, supervise
@@ -31,34 +30,6 @@ from autoddp.running import Job
 
 #: For one attempt's run folder: the entry point and each local rank's arguments.
 Workers = Callable[[str], tuple[Any, dict[int, tuple]]]
-
-
-def worker_envs(
-    nproc: int, port: int, run_id: str, attempt: int = 0, folder: str = ""
-) -> dict[int, dict[str, str]]:
-    """The variables each worker gets, named as torchrun names them."""
-    common = {
-        "WORLD_SIZE": str(nproc),
-        "LOCAL_WORLD_SIZE": str(nproc),
-        "GROUP_RANK": "0",
-        "MASTER_ADDR": LOOPBACK,
-        "MASTER_PORT": str(port),
-        # The caller hosts the store: rank 0 connects to it instead of binding the port.
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "AUTODDP_RUN_ID": run_id,
-        "AUTODDP_PARENT_PID": str(os.getpid()),
-        "AUTODDP_RUN_FOLDER": folder,  # where a worker reports its error
-        "TORCHELASTIC_RESTART_COUNT": str(attempt),  # as torchrun names it: 0 on the first attempt
-        "TORCHELASTIC_RUN_ID": run_id,
-    }
-    threads = hardware.omp_threads(nproc)
-    if threads is not None:
-        common["OMP_NUM_THREADS"] = threads
-    # NCCL's error handling and flight recorder on GPUs, dumped into the run folder
-    gpus = hardware.gpu_count()
-    common.update(diagnostics.nccl_variables(os.environ, folder, gpus))
-    common.update(side_gloo_variables(os.environ, gpus))  # gloo beside NCCL connects when first used
-    return {r: {**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)}
 
 
 def launch_function(
@@ -98,7 +69,8 @@ def launch_function(
         def workers(folder: str) -> tuple[Any, dict[int, tuple]]:
             return _worker.run_forked, {r: (job, folder) for r in range(nproc)}
 
-    return _with_restarts(workers, nproc, method, max_restarts, output=output, hang_report=hang_report)
+    contract = Contract(nproc, max_restarts=max_restarts)
+    return _with_restarts(workers, contract, method, output=output, hang_report=hang_report)
 
 
 def launch_script(
@@ -109,15 +81,20 @@ def launch_script(
     poll_seconds: float = POLL_SECONDS,
     output: Output | None = None,
     hang_report: float = hang_record.DEFAULT_SECONDS,
+    start_method: str = "auto",
+    role: str = DEFAULT_ROLE,
+    store: tuple[str, int | None] = (LOOPBACK, None),
 ) -> None:
     """Run a script (as ``python -m autoddp._script ARGV`` would) in ``nproc`` workers.
 
     The ``autoddp`` command's single-node engine: the same supervision, loopback store,
     restarts and hang report as the decorator. Workers are forked from this process, which has imported torch
     already (and what DDP construction imports), where CUDA is untouched; else they start as
-    fresh interpreters. Raises the first failure (the worker printed its traceback).
+    fresh interpreters (``start_method`` chooses: torchrun's flag). ``store``: the address and port
+    the store listens on (``MASTER_ADDR``/``MASTER_PORT``; no port: a free one). Raises the first
+    failure (the worker printed its traceback).
     """
-    method, _ = choose_start_method("auto", None)
+    method, _ = choose_start_method(start_method, None)
     if method == "fork":
         from autoddp import _script  # (not at the top: `python -m autoddp._script` must find it new)
 
@@ -131,23 +108,25 @@ def launch_script(
         def workers(folder: str) -> tuple[Any, dict[int, tuple]]:
             return sys.executable, {r: ("-m", "autoddp._script", *argv) for r in range(nproc)}
 
-    _with_restarts(workers, nproc, method, max_restarts, poll_seconds, output, hang_report)
+    contract = Contract(nproc, role, max_restarts, store[0])
+    _with_restarts(workers, contract, method, poll_seconds, output, hang_report, store[1])
 
 
 def _with_restarts(
     workers: Workers,
-    nproc: int,
+    contract: Contract,
     method: str,
-    max_restarts: int,
     poll_seconds: float = POLL_SECONDS,
     output: Output | None = None,
     hang_report: float = hang_record.DEFAULT_SECONDS,
+    port: int | None = None,
 ) -> Any:
-    """Run attempts until one succeeds or ``max_restarts`` restarts are spent."""
+    """Run attempts until one succeeds or ``contract.max_restarts`` restarts are spent."""
     output = output or Output()
+    max_restarts, nproc = contract.max_restarts, contract.nproc
     for attempt in range(max_restarts + 1):
         try:
-            return _attempt(workers, nproc, method, attempt, poll_seconds, output, hang_report)
+            return _attempt(workers, contract, method, attempt, poll_seconds, output, hang_report, port)
         except (ConfigurationError, SerializationError, KeyboardInterrupt):
             raise
         except BaseException as error:
@@ -161,18 +140,20 @@ def _with_restarts(
 
 def _attempt(
     workers: Workers,
-    nproc: int,
+    contract: Contract,
     method: str,
     attempt: int,
     poll_seconds: float,
     output: Output,
     hang_report: float,
+    port: int | None,
 ) -> Any:
     """One start of all workers, in a fresh run folder with a fresh store (no stale keys)."""
+    nproc = contract.nproc
     with transport.run_folder() as folder, hang_record.folder() as records:
         entry, entry_args = workers(folder)
-        with loopback_store(nproc) as port:
-            envs = worker_envs(nproc, port, uuid.uuid4().hex, attempt, folder)
+        with loopback_store(nproc, contract.host, port) as port:
+            envs = worker_envs(contract, port, uuid.uuid4().hex, attempt, folder)
             logs = output.logs_specs(folder, nproc)
             for env in envs.values():  # autoddp.print(all_ranks=True) must not prefix twice
                 env["AUTODDP_LINE_PREFIX"] = "1" if output.prefixed else "0"

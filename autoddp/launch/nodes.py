@@ -21,6 +21,7 @@ from autoddp.hang import record as hang_record
 from autoddp.hang.combine import Exchange
 from autoddp.hang.watch import Watch
 from autoddp.launch import diagnostics
+from autoddp.launch.contract import DEFAULT_ROLE
 from autoddp.launch.output import announce_exit, say
 from autoddp.launch.plan import Nodes, split_endpoint
 from autoddp.launch.side_gloo import side_gloo_variables
@@ -37,6 +38,7 @@ def run_agent(
     monitor_interval: float = 0.1,
     log_dir: str | None = None,
     hang_report: float = hang_record.DEFAULT_SECONDS,
+    role: str = DEFAULT_ROLE,
 ) -> None:
     """Run ``python ARGS`` in ``nproc`` workers on this node as part of a multi-node world.
 
@@ -51,7 +53,9 @@ def run_agent(
 
     host, port = split_endpoint(nodes.endpoint or "")
     net = network.choose(host, os.environ)
-    rdzv_configs: dict[str, Any] = {"rank": nodes.node_rank} if nodes.backend == "static" else {}
+    rdzv_configs: dict[str, Any] = dict(nodes.conf)  # --rdzv-conf, as torchrun passes it
+    if nodes.backend == "static":
+        rdzv_configs["rank"] = nodes.node_rank
     route = net.route
     if nodes.backend == "c10d" and route is not None and route.owns_address:
         # This machine owns the endpoint's address; torch recognises it only by the host name.
@@ -69,7 +73,8 @@ def run_agent(
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
         # The address the other nodes' workers are given for this node (else its host name).
-        local_addr=route.local_address if route is not None and route.interface else None,
+        local_addr=nodes.local_addr or (route.local_address if route and route.interface else None),
+        role=role,  # the workers' ROLE_NAME (elastic's own default is "default_role")
     )
     say(_start_line(nodes, nproc, net))
     gpus = hardware.gpu_count()

@@ -75,6 +75,8 @@ class Output:
         if not real_stdio():
             return DefaultLogsSpecs(log_dir=os.devnull), {}
         log_dir = os.fspath(self.log_dir) if self.log_dir is not None else os.path.join(folder, "logs")
+        if self.log_dir is not None:
+            _make_folder(log_dir)
         if self.prefixed:
             specs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL)
             return specs, {r: f"[rank {r}] " for r in range(nproc)}
@@ -83,6 +85,16 @@ class Output:
             return DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=tee), {r: "" for r in shown}
         redirects = {r: (Std.NONE if r in shown else Std.ALL) for r in range(nproc)}
         return DefaultLogsSpecs(log_dir=log_dir, redirects=redirects), {}
+
+
+def _make_folder(path: str) -> None:
+    """Make the user's log folder now, so that a path the system refuses is one clear error."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ConfigurationError(
+            f"log_dir={path!r} cannot be made ({exc.strerror}); choose another folder for the logs"
+        ) from None
 
 
 def _check_writable_folder(path: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from autoddp.environment import LOOPBACK
 from autoddp.errors import ConfigurationError
 
 RDZV_BACKENDS = ("static", "c10d")
@@ -19,6 +20,8 @@ class Nodes:
     endpoint: str | None = None  # host:port of the rendezvous (node 0's store for static)
     backend: str = "static"
     run_id: str = "autoddp"
+    conf: tuple[tuple[str, str], ...] = ()  # --rdzv-conf KEY=VALUE,... for the rendezvous
+    local_addr: str | None = None  # the address the other machines reach this one by
 
     @property
     def multi(self) -> bool:
@@ -32,6 +35,8 @@ def plan(
     rdzv_endpoint: str | None = None,
     rdzv_backend: str | None = None,
     rdzv_id: str | None = None,
+    rdzv_conf: str | None = None,
+    local_addr: str | None = None,
 ) -> Nodes:
     """Check the multi-node options and turn them into a ``Nodes`` plan (one node if unset)."""
     min_nodes, max_nodes = _node_counts(nnodes)
@@ -40,6 +45,12 @@ def plan(
             raise ConfigurationError(
                 f"node_rank={node_rank} needs nnodes > 1; set nnodes to the number of machines"
             )
+        for flag, value in (("--rdzv-conf", rdzv_conf), ("--local-addr", local_addr)):
+            if value:
+                raise ConfigurationError(
+                    f"{flag} is for a run on several machines (--nnodes N); one machine has no rendezvous "
+                    "to configure: drop it"
+                )
         return Nodes()
     backend = rdzv_backend or ("c10d" if rdzv_endpoint and not master else "static")
     if backend not in RDZV_BACKENDS:
@@ -60,7 +71,33 @@ def plan(
                 f"give every machine its own node rank from 0 to {max_nodes - 1} with --node-rank "
                 "(node 0 hosts the rendezvous at the --master address)"
             )
-    return Nodes(min_nodes, max_nodes, node_rank, endpoint, backend, rdzv_id or "autoddp")
+    conf = _conf(rdzv_conf)
+    return Nodes(min_nodes, max_nodes, node_rank, endpoint, backend, rdzv_id or "autoddp", conf, local_addr)
+
+
+def one_node_store(
+    master: str | None, master_addr: str | None, master_port: int | None
+) -> tuple[str, int | None]:
+    """Where a one-machine run's store listens: ``--master``/``--master-addr``/``--master-port``
+    honoured (a user opens that port in a firewall), else loopback on a free port (None)."""
+    if master:
+        return split_endpoint(master)
+    return master_addr or LOOPBACK, master_port
+
+
+def _conf(text: str | None) -> tuple[tuple[str, str], ...]:
+    """``KEY=VALUE,KEY=VALUE`` as torchrun's ``--rdzv-conf`` takes it."""
+    pairs = []
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigurationError(
+                f"--rdzv-conf {text!r}: {item!r} is not KEY=VALUE (e.g. join_timeout=600,read_timeout=60)"
+            )
+        pairs.append((key.strip(), value.strip()))
+    return tuple(pairs)
 
 
 def _node_counts(nnodes: str | int | None) -> tuple[int, int]:

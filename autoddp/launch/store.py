@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Iterator
 
@@ -11,12 +12,14 @@ from autoddp.errors import ConfigurationError
 
 
 @contextlib.contextmanager
-def loopback_store(nproc: int) -> Iterator[int]:
+def loopback_store(nproc: int, host: str = LOOPBACK, port: int | None = None) -> Iterator[int]:
     """The rendezvous store of a single-node run, hosted here and reachable from this machine only.
 
-    The listening socket is bound to loopback before torch's TCPStore takes it over (a TCPStore
-    binding by itself listens on every interface). The port is the one in ``MASTER_PORT`` if the
-    user set it, else one the operating system picks, so simultaneous jobs never race for a port.
+    The listening socket is bound to ``host`` (loopback unless ``--master-addr`` named another
+    address of this machine) before torch's TCPStore takes it over (a TCPStore binding by itself
+    listens on every interface). The port is ``port`` (``--master-port``), else the one in
+    ``MASTER_PORT`` if the user set it, else one the operating system picks, so simultaneous jobs
+    never race for a port.
     Only the port leaves this function: the store must not outlive the run in some reference
     cycle, where a later forked worker's garbage collection would try to stop its server thread.
     """
@@ -24,22 +27,41 @@ def loopback_store(nproc: int) -> Iterator[int]:
 
     from torch.distributed import TCPStore
 
-    requested = os.environ.get("MASTER_PORT", "0")
+    requested = str(port) if port is not None else os.environ.get("MASTER_PORT", "0")
+    named, fix = (
+        (f"--master-port {port}", "choose another, or leave --master-port out")
+        if port is not None
+        else (f"MASTER_PORT={requested}", "choose another, or unset MASTER_PORT")
+    )
     if not requested.isdigit() or int(requested) > 65535:
         raise ConfigurationError(f"MASTER_PORT={requested!r} is not a port number; fix or unset it")
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        listener.bind((LOOPBACK, int(requested)))
+        family, _, _, _, address = socket.getaddrinfo(host, int(requested), type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ConfigurationError(
+            f"--master-addr {host!r} is not a known host name or address ({exc}); on one machine leave "
+            "it out (autoddp listens on 127.0.0.1) or give an address of this machine"
+        ) from None
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart's port in TIME_WAIT
+    try:
+        listener.bind(address)
     except OSError as exc:
         listener.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigurationError(
+                f"{named}: port {requested} on {host} cannot be used, another run or program holds it; "
+                f"{fix} to let autoddp pick a free port"
+            ) from None
         raise ConfigurationError(
-            f"MASTER_PORT={requested} cannot be used ({exc.strerror}); another program holds it. "
-            "Unset MASTER_PORT to let autoddp pick a free port, or choose another."
+            f"cannot listen on {host}{'' if requested == '0' else ' port ' + requested} ({exc.strerror}): "
+            "--master-addr on one machine must be an address of this machine (or leave it out: autoddp "
+            "listens on 127.0.0.1)"
         ) from None
     listener.listen(max(128, nproc))
     try:
         store = TCPStore(
-            LOOPBACK,
+            host,
             listener.getsockname()[1],
             nproc,
             is_master=True,

@@ -1,0 +1,120 @@
+"""The command's two ways to run a script: workers on this machine, or this node's share of many.
+
+Each returns the command's exit status and turns what went wrong into lines a user can act on:
+a usage problem found at start (a taken port) as one error line, a worker's failure as the line
+that names its rank (the worker printed its own traceback above it, when it had one).
+"""
+
+from __future__ import annotations
+
+import signal
+
+import click
+
+from autoddp import environment
+from autoddp.command.arguments import fail
+from autoddp.errors import ConfigurationError, WorkerError
+from autoddp.hang import record as hang_record
+from autoddp.launch import in_place, local, nodes
+from autoddp.launch import output as launch_output
+from autoddp.launch import plan as launch_plan
+from autoddp.launch.contract import DEFAULT_ROLE
+
+
+def run_nodes(
+    plan: launch_plan.Nodes,
+    nproc: int,
+    argv: list[str],
+    max_restarts: int,
+    monitor_interval: float,
+    hang_report: float = hang_record.DEFAULT_SECONDS,
+    role: str = DEFAULT_ROLE,
+) -> int:
+    """This machine's share of a multi-node run, through elastic's agent and rendezvous."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    try:
+        nodes.run_agent(
+            plan,
+            nproc,
+            ["-m", "autoddp._script", *argv],
+            max_restarts=max_restarts,
+            monitor_interval=monitor_interval,
+            hang_report=hang_report,
+            role=role,
+        )
+    except ConfigurationError as error:  # before anything started: node 0's address, say
+        fail(str(error))
+    except RendezvousTimeoutError:
+        waited = dict(plan.conf).get("join_timeout", "600")
+        fail(
+            f"the other machines did not all join the rendezvous at {plan.endpoint} within its join timeout "
+            f"({waited} s): start autoddp on every machine, or raise --rdzv-conf join_timeout=SECONDS",
+            code=1,
+        )
+    except ChildFailedError as error:
+        click.echo(
+            f"autoddp: {nodes.describe_failure(error, nproc * plan.max_nodes)}; its traceback is above",
+            err=True,
+        )
+        return 1
+    except SignalException as error:
+        click.echo(f"autoddp: {error.sigval.name} received: stopped all workers on this node", err=True)
+        return 128 + int(error.sigval)
+    return 0
+
+
+def run_here(
+    nproc: int,
+    argv: list[str],
+    max_restarts: int,
+    monitor_interval: float,
+    output: launch_output.Output,
+    hang_report: float = hang_record.DEFAULT_SECONDS,
+    **settings: object,
+) -> int:
+    """Run the script once per process on this machine; the exit status of the command.
+
+    ``settings``: ``start_method``, ``role`` and ``store`` (host, port), as ``launch_script`` takes them.
+    """
+    env = environment.detect()
+    if env.launched:
+        # Already one process of a distributed run (srun, mpirun, torchrun): no second layer.
+        try:
+            in_place.exec_script(argv, env.world())
+        except ConfigurationError as error:
+            fail(str(error))
+    try:
+        local.launch_script(
+            argv,
+            nproc=nproc,
+            max_restarts=max_restarts,
+            poll_seconds=monitor_interval,
+            output=output,
+            hang_report=hang_report,
+            **settings,  # type: ignore[arg-type]
+        )
+    except KeyboardInterrupt:  # Ctrl-C: the workers are stopped and one line was printed
+        return 128 + int(signal.SIGINT)
+    except SystemExit as error:  # a rank called sys.exit(code): the launcher said so in one line
+        return error.code if isinstance(error.code, int) else 1
+    except WorkerError as error:  # died without a Python exception: there is no traceback to point at
+        click.echo(f"autoddp: {error}", err=True)
+        _notes(error)
+        return 1
+    except Exception as error:  # a worker failed: it printed its own traceback
+        if isinstance(error, ConfigurationError) and getattr(error, "autoddp_rank", None) is None:
+            fail(str(error), code=1)  # found here before any worker ran (a taken port): no traceback
+        click.echo(f"autoddp: {launch_output.one_line(error)} (its traceback is above)", err=True)
+        _notes(error)
+        return 1
+    return 0
+
+
+def _notes(error: BaseException) -> None:
+    """What autoddp found out about a failure (the late rank a rank aborted waiting for, ...)."""
+    for note in getattr(error, "__notes__", ()):
+        if note.startswith("autoddp:"):
+            click.echo(note, err=True)
