@@ -5,13 +5,16 @@
 
 `train` is plain single-GPU code: autoddp wraps the model in DDP, shards both loaders, gathers
 the test predictions so every test image counts exactly once, and saves the checkpoint from
-rank 0 only. With --nproc 2 --batch-size 32 the run matches --nproc 1 --batch-size 64 (the same
-global batch), up to the order in which the batches are drawn.
+rank 0 only (to --checkpoint; by default into the system's temporary folder, not your checkout).
+With --nproc 2 --batch-size 32 the run matches --nproc 1 --batch-size 64 (the same global
+batch), up to the order in which the batches are drawn.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 import time
 
 import torch
@@ -84,8 +87,10 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=None, help="processes (default: one per GPU, else 1)")
     parser.add_argument("--batch-size", type=int, default=32, help="per process (global = this x processes)")
     parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--checkpoint", default="digits.pt")
+    default = os.path.join(tempfile.gettempdir(), "autoddp-examples", "digits.pt")
+    parser.add_argument("--checkpoint", default=default, help="where rank 0 saves (default: %(default)s)")
     args = parser.parse_args()
+    os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)
 
     torch.manual_seed(0)
     train_set, test_set = datasets()
@@ -98,12 +103,13 @@ def main() -> None:
     seconds = time.perf_counter() - start
     print(
         f"test accuracy {result['accuracy']:.4f} on {result['tested']} images, "
-        f"{result['world_size']} process(es), {seconds:.1f} s; checkpoint: {args.checkpoint}"
+        f"{result['world_size']} process(es), {seconds:.1f} s"
     )
     state = torch.load(args.checkpoint)
     model = CNN()
     model.load_state_dict(state["model"])  # a plain CNN: no "module." prefix
-    print(f"checkpoint reloaded into a plain CNN ({sum(p.numel() for p in model.parameters())} parameters)")
+    parameters = sum(p.numel() for p in model.parameters())
+    print(f"checkpoint written to {args.checkpoint}, reloaded into a plain CNN ({parameters} parameters)")
 
 
 if __name__ == "__main__":

@@ -5,12 +5,22 @@
 
 Under ``autoddp`` the model its optimizer trains is wrapped in DDP, the shuffled training loader is
 sharded (each process takes half of every epoch), the evaluation loader stays whole (so the
-printed accuracy counts every test sample once) and ``torch.save`` writes the file once.
+printed accuracy counts every test sample once) and ``torch.save`` writes the file once (to
+--checkpoint; by default into the system's temporary folder, not your checkout).
 """
+
+import argparse
+import os
+import tempfile
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+parser = argparse.ArgumentParser(description="A plain single-GPU training script.")
+default = os.path.join(tempfile.gettempdir(), "autoddp-examples", "single_gpu.pt")
+parser.add_argument("--checkpoint", default=default, help="where the weights go (default: %(default)s)")
+args = parser.parse_args()
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
@@ -39,4 +49,6 @@ with torch.no_grad():
     for inputs, labels in test_loader:
         correct += (model(inputs.to(device)).argmax(1).cpu() == labels).sum().item()
 print(f"test accuracy {correct / len(test_set):.3f} on {len(test_set)} samples")
-torch.save(model.state_dict(), "single_gpu.pt")
+os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)
+torch.save(model.state_dict(), args.checkpoint)
+print(f"weights written to {args.checkpoint}")

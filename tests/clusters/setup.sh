@@ -182,7 +182,8 @@ status() {
 
 stop() {
   local pid
-  scancel --state=running -u root >/dev/null 2>&1
+  # The jobs of the controller this script started, which stops now; never those of another cluster.
+  alive "$RUN/slurmctld.pid" && scancel --state=running -u root >/dev/null 2>&1
   local daemons=("$RUN/slurmd.pid" "$RUN/slurmctld.pid")
   [ -e "$RUN/munged.ours" ] && daemons+=(/run/munge/munged.pid)
   for pid in "${daemons[@]}"; do
