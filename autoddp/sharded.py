@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import uuid
 import warnings
 from collections.abc import Iterator, Mapping
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from autoddp import models
+from autoddp._leftovers import private_folder
 from autoddp.models import optimizers
 from autoddp.world import barrier, current
 
@@ -92,7 +92,7 @@ def _plain(folder: str) -> dict[str, Any]:
     """Everything in the checkpoint as full tensors, optimizer state keyed as a plain optimizer keys it."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    with tempfile.TemporaryDirectory(prefix="autoddp-") as scratch:
+    with private_folder("autoddp-") as scratch:
         path = os.path.join(scratch, "full.pt")
         dcp_to_torch_save(folder, path)
         state = torch.load(path, weights_only=False, map_location="cpu")

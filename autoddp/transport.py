@@ -16,18 +16,17 @@ import io
 import json
 import os
 import pickle
-import shutil
 import sys
-import tempfile
 import time
 import traceback
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 import cloudpickle
 import torch
 
+from autoddp._leftovers import private_folder
 from autoddp.errors import RemoteError, RemoteTraceback, SerializationError
 
 _PAYLOAD = "job.pkl"
@@ -35,14 +34,10 @@ _PATH = "sys_path.json"
 _RESULT = "result.pkl"
 
 
-@contextlib.contextmanager
-def run_folder() -> Iterator[str]:
-    """A private temporary folder for one launch, removed afterwards."""
-    path = tempfile.mkdtemp(prefix="autoddp-")  # mode 0700
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+def run_folder() -> contextlib.AbstractContextManager[str]:
+    """A private temporary folder for one launch, removed afterwards (after a SIGKILL, by a later
+    start: ``_leftovers``)."""
+    return private_folder("autoddp-")
 
 
 def write_private(path: str, data: bytes | Callable[[BinaryIO], None]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -19,8 +20,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _both(commands):
-    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in commands]
+def _both(commands, env=None):
+    pipe = subprocess.PIPE
+    procs = [subprocess.Popen(c, stdout=pipe, stderr=pipe, text=True, env=env) for c in commands]
     return [(p, *p.communicate(timeout=120)) for p in procs]
 
 
@@ -38,6 +40,8 @@ def test_two_command_launchers_form_one_world(tmp_path, monkeypatch):
         """,
     )
     master = f"127.0.0.1:{_free_port()}"
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
     results = _both(
         [
             [
@@ -55,7 +59,8 @@ def test_two_command_launchers_form_one_world(tmp_path, monkeypatch):
                 str(script),
             ]
             for r in (0, 1)
-        ]
+        ],
+        env={**os.environ, "TMPDIR": str(tmpdir)},
     )
     lines = sorted(out.strip() for _, out, _ in results)
     assert all(p.returncode == 0 for p, _, _ in results), [e for _, _, e in results]
@@ -63,6 +68,8 @@ def test_two_command_launchers_form_one_world(tmp_path, monkeypatch):
     for node, (_, _, err) in enumerate(results):  # the start-up line: where, and which interface
         assert f"autoddp: node {node} of 2, 1 worker(s) here, static rendezvous at {master}" in err
         assert "network interface lo (127.0.0.1), the one that routes to 127.0.0.1" in err
+    # no folder stays behind: elastic's log folder was one of the run's (torch's own is never removed)
+    assert not [n for n in os.listdir(tmpdir) if n.startswith(("autoddp-", "torchelastic_"))]
 
 
 def test_decorated_function_on_two_nodes_returns_rank0_value_on_node0(tmp_path):

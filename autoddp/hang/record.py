@@ -15,14 +15,12 @@ import contextlib
 import dataclasses
 import mmap
 import os
-import shutil
 import signal
 import struct
-import tempfile
 import threading
-from collections.abc import Iterator
 
 from autoddp._compat import DDP_BUFFER_BROADCAST
+from autoddp._leftovers import private_folder
 from autoddp._refusals import COLLECTIVES
 
 #: The workers' environment variable naming the folder of the records (set by the launcher).
@@ -66,19 +64,15 @@ _SHOWN = {
 }
 
 
-@contextlib.contextmanager
-def folder() -> Iterator[str]:
-    """A private folder (mode 0700) for one run's records, removed afterwards.
+def folder() -> contextlib.AbstractContextManager[str]:
+    """A private folder (mode 0700) for one run's records, removed afterwards (after a SIGKILL, by
+    a later start: ``_leftovers``).
 
     In memory (``/dev/shm``) where the machine has it: the mapped pages then never go to a disk.
     """
     shm = "/dev/shm"
     base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
-    path = tempfile.mkdtemp(prefix="autoddp-hang-", dir=base)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+    return private_folder("autoddp-hang-", base)
 
 
 def record_path(folder: str, local_rank: int) -> str:

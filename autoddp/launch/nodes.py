@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from autoddp import hardware, network, transport
+from autoddp._leftovers import private_folder
 from autoddp.errors import WorkerError
 from autoddp.hang import record as hang_record
 from autoddp.hang.combine import Exchange
@@ -60,34 +61,40 @@ def run_agent(
     if nodes.backend == "c10d" and route is not None and route.owns_address:
         # This machine owns the endpoint's address; torch recognises it only by the host name.
         rdzv_configs["is_host"] = True
-    config = LaunchConfig(
-        min_nodes=nodes.min_nodes,
-        max_nodes=nodes.max_nodes,
-        nproc_per_node=nproc,
-        run_id=nodes.run_id,
-        rdzv_backend=nodes.backend,
-        rdzv_endpoint=nodes.endpoint or "",
-        rdzv_configs=rdzv_configs,
-        max_restarts=max_restarts,
-        monitor_interval=monitor_interval,
-        start_method="spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
-        # The address the other nodes' workers are given for this node (else its host name).
-        local_addr=nodes.local_addr or (route.local_address if route and route.interface else None),
-        role=role,  # the workers' ROLE_NAME (elastic's own default is "default_role")
-    )
-    say(_start_line(nodes, nproc, net))
-    gpus = hardware.gpu_count()
-    with hang_record.folder() as folder, diagnostics.node_traces(os.environ, nodes.run_id, gpus) as nccl:
-        variables = {**net.variables, **nccl, **side_gloo_variables(os.environ, gpus)}
-        if hang_report > 0:
-            variables[hang_record.FOLDER_VARIABLE] = folder
-        with (
-            elastic_logs_quiet(),
-            _worker_environment(nproc, variables),
-            Watch(folder, nproc, hang_report, node=_node_name(nodes), exchange=_exchange(nodes, host, port)),
-        ):
-            elastic_launch(config, entrypoint=sys.executable)(*args)
+    # elastic keeps its error files in a folder of its own (a new one in /tmp when none is given,
+    # never removed): one of autoddp's, which goes with the run (after a SIGKILL, at a later start)
+    logs_folder = contextlib.nullcontext(log_dir) if log_dir else private_folder("autoddp-elastic-")
+    with logs_folder as logs:
+        config = LaunchConfig(
+            min_nodes=nodes.min_nodes,
+            max_nodes=nodes.max_nodes,
+            nproc_per_node=nproc,
+            run_id=nodes.run_id,
+            rdzv_backend=nodes.backend,
+            rdzv_endpoint=nodes.endpoint or "",
+            rdzv_configs=rdzv_configs,
+            max_restarts=max_restarts,
+            monitor_interval=monitor_interval,
+            start_method="spawn",
+            logs_specs=DefaultLogsSpecs(log_dir=log_dir or logs),
+            # The address the other nodes' workers are given for this node (else its host name).
+            local_addr=nodes.local_addr or (route.local_address if route and route.interface else None),
+            role=role,  # the workers' ROLE_NAME (elastic's own default is "default_role")
+        )
+        say(_start_line(nodes, nproc, net))
+        gpus = hardware.gpu_count()
+        with hang_record.folder() as folder, diagnostics.node_traces(os.environ, nodes.run_id, gpus) as nccl:
+            variables = {**net.variables, **nccl, **side_gloo_variables(os.environ, gpus)}
+            if hang_report > 0:
+                variables[hang_record.FOLDER_VARIABLE] = folder
+            with (
+                elastic_logs_quiet(),
+                _worker_environment(nproc, variables),
+                Watch(
+                    folder, nproc, hang_report, node=_node_name(nodes), exchange=_exchange(nodes, host, port)
+                ),
+            ):
+                elastic_launch(config, entrypoint=sys.executable)(*args)
 
 
 def _exchange(nodes: Nodes, host: str, port: int) -> Exchange | None:
