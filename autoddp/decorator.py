@@ -2,172 +2,21 @@
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
-import difflib
 import functools
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
 import wrapt
-from torch.nn.parallel import DistributedDataParallel
 
-from autoddp import _warn, environment, hardware, models, process_group, streams
+from autoddp import _warn, environment, hardware, process_group, streams
+from autoddp import options as options_list
 from autoddp.errors import ConfigurationError
-from autoddp.hang import record as hang_record
-from autoddp.launch import output as launch_output
-from autoddp.launch import plan as launch_plan
-from autoddp.launch import start_method as launch_start
-from autoddp.models import fsdp
+from autoddp.options import Options
 from autoddp.preparation import prepare
 from autoddp.running import Job, run_in_world
-from autoddp.state import RunOptions
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """The decorator's options, checked when the function is decorated.
-
-    The one list of them: ``distributed``'s signature is made from these fields.
-    """
-
-    nproc: int | None = None
-    backend: str | None = None
-    start_method: str = "auto"
-    timeout: float | datetime.timedelta | None = None
-    ddp: Mapping[str, Any] | None = None
-    sync_batchnorm: bool = False
-    max_restarts: int = 0
-    nnodes: int | str | None = None
-    node_rank: int | None = None
-    master: str | None = None
-    rdzv_backend: str | None = None
-    ranks: str = "0"
-    log_dir: str | None = None
-    capture: bool = True
-    strategy: str = "ddp"
-    fsdp_blocks: tuple[type | str, ...] = ()
-    mixed_precision: str | None = None
-    cpu_offload: bool = False
-    hang_report: float = hang_record.DEFAULT_SECONDS
-
-    def __post_init__(self) -> None:
-        self.nodes  # noqa: B018 - checks the multi-node options at decoration time
-        if self.nproc is not None and (
-            isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1
-        ):
-            raise ConfigurationError(
-                f"nproc={self.nproc!r} is not a positive whole number of processes; pass e.g. "
-                "nproc=2, or leave it unset for one process per visible GPU (1 without GPUs)"
-            )
-        process_group.resolve_backend(self.backend, gpus=1)  # the name only; GPUs are checked per call
-        if self.start_method not in launch_start.START_METHODS:
-            raise ConfigurationError(
-                f"unknown start_method {self.start_method!r}: use 'auto' (default), 'fork' or 'spawn'"
-            )
-        process_group.as_timeout(self.timeout)
-        if self.ddp is not None:
-            if not isinstance(self.ddp, Mapping) or not all(isinstance(k, str) for k in self.ddp):
-                raise ConfigurationError(
-                    f"ddp={self.ddp!r} must be a dict of DistributedDataParallel keyword arguments, "
-                    'e.g. ddp={"find_unused_parameters": True}'
-                )
-            accepted = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self"}
-            unknown = sorted(set(self.ddp) - accepted)
-            if unknown:
-                close = difflib.get_close_matches(unknown[0], sorted(accepted), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ConfigurationError(
-                    f"ddp= has {', '.join(map(repr, unknown))}, which DistributedDataParallel does not "
-                    f"take{hint}"
-                )
-            reserved = sorted(set(self.ddp) & {"module", "device_ids", "output_device", "process_group"})
-            if reserved:
-                raise ConfigurationError(
-                    f"ddp= may not set {', '.join(reserved)}: autoddp sets them for each process; remove them"
-                )
-        if (
-            isinstance(self.max_restarts, bool)
-            or not isinstance(self.max_restarts, int)
-            or self.max_restarts < 0
-        ):
-            raise ConfigurationError(
-                f"max_restarts={self.max_restarts!r} must be a whole number >= 0 (restarts after a failure)"
-            )
-        models.strategy_named(self.strategy)
-        if self.strategy == "fsdp":
-            fsdp.fsdp_api()
-        elif self.fsdp_blocks or self.mixed_precision is not None or self.cpu_offload:
-            raise ConfigurationError(
-                "fsdp_blocks=, mixed_precision= and cpu_offload= are FSDP's options: add strategy='fsdp'"
-            )
-        fsdp.precision(self.mixed_precision)
-        if isinstance(self.fsdp_blocks, (str, type)) or not all(
-            isinstance(b, (str, type)) for b in self.fsdp_blocks
-        ):
-            raise ConfigurationError(
-                f"fsdp_blocks={self.fsdp_blocks!r}: give a tuple of module classes or class names, "
-                "e.g. fsdp_blocks=(TransformerBlock,) or fsdp_blocks=('TransformerBlock',)"
-            )
-        if (
-            isinstance(self.hang_report, bool)
-            or not isinstance(self.hang_report, (int, float))
-            or not self.hang_report >= 0
-        ):
-            raise ConfigurationError(
-                f"hang_report={self.hang_report!r} must be a number of seconds >= 0: how long ranks may "
-                "wait for another before autoddp says which rank and where (e.g. hang_report=120; 0: off)"
-            )
-        for name in ("sync_batchnorm", "capture", "cpu_offload"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigurationError(f"{name}={getattr(self, name)!r} must be True or False")
-        self.output.shown(self.nproc or max(hardware.gpu_count(), 1))  # ranks=, log_dir= as well
-
-    @classmethod
-    def from_keywords(cls, options: Mapping[str, Any]) -> Options:
-        """Options from ``@distributed(**options)``; an unknown name is a ConfigurationError."""
-        names = [field.name for field in dataclasses.fields(cls)]
-        for name in options:
-            if name not in names:
-                close = difflib.get_close_matches(name, names, n=1)
-                hint = f"; did you mean {close[0]}=?" if close else ""
-                raise ConfigurationError(
-                    f"@distributed has no option {name!r}{hint} Its options are: {', '.join(names)}"
-                )
-        return cls(**options)
-
-    @property
-    def nodes(self) -> launch_plan.Nodes:
-        return launch_plan.plan(self.nnodes, self.node_rank, self.master, rdzv_backend=self.rdzv_backend)
-
-    @property
-    def output(self) -> launch_output.Output:
-        return launch_output.Output(self.ranks, self.log_dir)
-
-    @property
-    def run_options(self) -> RunOptions:
-        return RunOptions(
-            strategy=self.strategy,
-            ddp_kwargs=dict(self.ddp or {}),
-            sync_batchnorm=self.sync_batchnorm,
-            capture=self.capture,
-            fsdp_blocks=tuple(self.fsdp_blocks),
-            mixed_precision=self.mixed_precision,
-            cpu_offload=self.cpu_offload,
-        )
-
-    def process_count(self, backend: process_group.Backend, gpus: int) -> int:
-        if self.nproc is None:
-            return gpus if backend.use_cuda else 1
-        if backend.use_cuda and self.nproc > gpus:
-            raise ConfigurationError(
-                f"nproc={self.nproc} but only {gpus} GPU(s) are visible; use nproc<={gpus}, "
-                "or backend='gloo' to run CPU processes"
-            )
-        return self.nproc
 
 
 class DistributedFunction(wrapt.FunctionWrapper):
@@ -238,15 +87,7 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     return _decorate(fn, checked)
 
 
-distributed.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-    [inspect.Parameter("fn", inspect.Parameter.POSITIONAL_ONLY, default=None)]
-    + [
-        inspect.Parameter(
-            field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default, annotation=field.type
-        )
-        for field in dataclasses.fields(Options)
-    ]
-)
+distributed.__signature__ = options_list.signature()  # type: ignore[attr-defined]
 
 
 def _decorate(fn: Callable[..., Any], options: Options) -> DistributedFunction:

@@ -51,6 +51,7 @@ def run_in_world(job: Job, world: World, finish: Callable[[Any], Any]) -> Any:
     """
     with process_group.joined(world, job.backend, job.timeout, job.options):
         previous, CURRENT.function = CURRENT.function, _where(job.fn)
+        outer_seeds = CURRENT.seeds  # a nested call in place keeps the outer call's seeds
         if job.streams is not None:
             CURRENT.seeds = (streams.seed_worker(job.streams, world.rank), job.streams.torch_initial_seed)
         try:
@@ -64,7 +65,7 @@ def run_in_world(job: Job, world: World, finish: Callable[[Any], Any]) -> Any:
             return finish(result)
         finally:
             CURRENT.function = previous
-            CURRENT.seeds = None
+            CURRENT.seeds = outer_seeds
 
 
 def _capturing(options: RunOptions, world: World) -> contextlib.AbstractContextManager[None]:

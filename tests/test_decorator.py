@@ -190,6 +190,29 @@ def test_nested_decorated_call_runs_in_place():
     assert outer_pid == inner_pid and (rank, world) == (0, 2)
 
 
+def test_a_nested_call_in_place_keeps_the_outer_calls_sample_order():
+    # The nested call used to wipe the outer call's seeds: a loader made after it shuffled in
+    # another order than one made without the nested call (a silently different run).
+    @autoddp.distributed(nproc=2)
+    def inner():
+        return autoddp.rank()
+
+    def order(nested: bool):
+        if nested:
+            inner()
+        loader = autoddp.prepare(torch.utils.data.DataLoader(torch.arange(16), batch_size=4, shuffle=True))
+        return [int(i) for batch in loader for i in batch]
+
+    @autoddp.distributed(nproc=2)
+    def outer(nested):
+        return order(nested)
+
+    torch.manual_seed(3)
+    plain = outer(False)
+    torch.manual_seed(3)
+    assert outer(True) == plain
+
+
 @pytest.mark.parametrize(
     "options, message",
     [

@@ -164,7 +164,7 @@ def test_every_torchrun_flag_is_taken_or_refused_in_one_line():
     for args, says in [
         (["--rdzv-backend", "etcd", "x.py"], "--rdzv-backend etcd is torchrun's"),
         (["--start-method", "forkserver", "x.py"], "use fork or spawn"),
-        (["--strategy", "zero", "x.py"], "invalid value for '--strategy'"),
+        (["--max-restarts", "x", "x.py"], "invalid value for '--max-restarts'"),
         (["--max-restarts", "-1", "x.py"], "-1 is not in the range"),
         (["--rdzv-conf", "join_timeout=5", __file__], "--rdzv-conf is for a run on several machines"),
         (["--local-addr", "10.0.0.1", __file__], "--local-addr is for a run on several machines"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import os
+import re
 import sys
 from typing import Any, NoReturn
 
@@ -33,6 +34,19 @@ class OneLineCommand(click.Command):
         except click.UsageError as error:
             text = error.format_message().rstrip(".")
             fail(f"{text[:1].lower()}{text[1:]} (see autoddp --help)")
+
+
+def as_flags(message: str) -> str:
+    """A check's message in the command's words: ``max_restarts=-1`` as ``--max-restarts -1``."""
+    from autoddp import options
+
+    for flag in options.command_flags():
+        spelled = flag.flags[-1] if flag.flags[-1].startswith("--") else flag.flags[0]
+        spelled = next((f for f in flag.flags if f.startswith("--") and "_" not in f), spelled)
+        spelled = spelled.split("/")[0]
+        message = re.sub(rf"\b{flag.name}=(?=[,\s]|$)", spelled, message)
+        message = re.sub(rf"\b{flag.name}=", spelled + " ", message)
+    return message
 
 
 def choice(flag: str, value: str | None, allowed: tuple[str, ...]) -> str | None:

@@ -18,6 +18,8 @@ between wrapping and training start identical on every rank.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -339,3 +341,29 @@ class DDPStrategy(Strategy):
 
 
 DDP = DDPStrategy()
+
+
+def check_keywords(ddp: Any) -> None:
+    """``ddp=``: keyword arguments DistributedDataParallel takes, none that autoddp sets itself."""
+    if ddp is None:
+        return
+    if not isinstance(ddp, Mapping) or not all(isinstance(k, str) for k in ddp):
+        raise ConfigurationError(
+            f"ddp={ddp!r} must be a dict of DistributedDataParallel keyword arguments, "
+            'e.g. ddp={"find_unused_parameters": True}'
+        )
+    accepted = set(inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters) - {
+        "self"
+    }
+    unknown = sorted(set(ddp) - accepted)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], sorted(accepted), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigurationError(
+            f"ddp= has {', '.join(map(repr, unknown))}, which DistributedDataParallel does not take{hint}"
+        )
+    reserved = sorted(set(ddp) & {"module", "device_ids", "output_device", "process_group"})
+    if reserved:
+        raise ConfigurationError(
+            f"ddp= may not set {', '.join(reserved)}: autoddp sets them for each process; remove them"
+        )

@@ -1,0 +1,379 @@
+"""The one list of autoddp's run options: each with its default, type, check and help, written once.
+
+``Options`` holds the options of a run. ``@distributed``'s signature is made from its fields, the
+``autoddp`` command's flags from the same fields (those with flags) plus ``COMMAND_ONLY``, the
+flags that only a command line has, and the README's option table from both
+(``readme_table``; ``tests/test_options.py`` checks all three against this list). Both fronts
+build an ``Options``, so a value is checked by the same rule whichever way it came.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import difflib
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+from autoddp import hardware, models, process_group
+from autoddp.errors import ConfigurationError
+from autoddp.hang import record as hang_record
+from autoddp.launch import output as launch_output
+from autoddp.launch import plan as launch_plan
+from autoddp.launch import start_method as launch_start
+from autoddp.models import ddp, fsdp
+from autoddp.state import RunOptions
+
+
+def option(default: Any, help: str, *flags: str, **click: Any) -> Any:
+    """A field of ``Options``: its default, its help, and the command's flags for it (none: the
+    decorator's only), with how click parses it (``type=``, ``metavar=``, ``is_flag=``...)."""
+    return dataclasses.field(default=default, metadata={"help": help, "flags": flags, "click": click})
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The options of a run, checked when they are made (when the function is decorated, or when
+    the command reads its flags)."""
+
+    nproc: int | None = option(
+        None,
+        "Processes on this machine: a number (the command: also gpu, cpu, auto).  "
+        "[default: one per visible GPU, 1 without GPUs]",
+        "-n",
+        "--nproc-per-node",
+        "--nproc_per_node",
+        "--nproc",
+        metavar="N",
+        type=str,
+    )
+    backend: str | None = option(None, "auto (NCCL on GPUs, gloo on CPU), nccl or gloo.  [default: auto]")
+    start_method: str = option(
+        "auto",
+        "How workers start on one machine: fork where safe, else fresh interpreters; fork or spawn.",
+        "--start-method",
+        "--start_method",
+        metavar="auto|fork|spawn",
+    )
+    timeout: float | datetime.timedelta | None = option(
+        None,
+        "Seconds a collective may wait before the run fails.  [default: 10 minutes on GPUs, 30 on CPU]",
+        "--timeout",
+        metavar="SECONDS",
+        type=float,
+    )
+    ddp: Mapping[str, Any] | None = option(
+        None, "Keyword arguments for DistributedDataParallel (the command: --find-unused-parameters)."
+    )
+    sync_batchnorm: bool = option(
+        False, "Convert BatchNorm layers to SyncBatchNorm.", "--sync-batchnorm", is_flag=True
+    )
+    max_restarts: int = option(
+        0,
+        "Restart all workers this many times after a failure.",
+        "--max-restarts",
+        "--max_restarts",
+        type=int,
+    )
+    nnodes: int | str | None = option(
+        None, "Machines taking part: N or MIN:MAX.  [default: 1]", "--nnodes", metavar="N|MIN:MAX"
+    )
+    node_rank: int | None = option(
+        None,
+        "This machine's rank, 0 to nnodes-1 (static rendezvous).  [default: 0]",
+        "--node-rank",
+        "--node_rank",
+        type=int,
+    )
+    master: str | None = option(
+        None, "Node 0's HOST:PORT, where the rendezvous store is.", "--master", metavar="HOST:PORT"
+    )
+    rdzv_backend: str | None = option(
+        None,
+        "static, or c10d (torchrun's dynamic rendezvous).  [default: static with a node rank, else c10d]",
+        "--rdzv-backend",
+        "--rdzv_backend",
+        metavar="static|c10d",
+    )
+    ranks: str = option(
+        "0",
+        "Whose output reaches the console: 0, all (lines prefixed [rank N]) or local ranks like 0,1.",
+        "--ranks",
+        "--local-ranks-filter",
+        "--local_ranks_filter",
+    )
+    log_dir: str | None = option(
+        None,
+        "Keep every rank's stdout/stderr in files under this folder.  [default: a private temporary folder]",
+        "--log-dir",
+        "--log_dir",
+    )
+    capture: bool = option(
+        True,
+        "Distribute the models, shuffled loaders and torch.save calls the code makes.",
+        "--capture/--no-capture",
+    )
+    strategy: str = option(
+        "ddp", "How models are distributed: ddp (replicated) or fsdp (FSDP2, sharded).", "--strategy"
+    )
+    fsdp_blocks: tuple[type | str, ...] = option(
+        (),
+        "FSDP: module classes that get their own shard unit.  [default: autoddp chooses]",
+        "--fsdp-blocks",
+        metavar="CLASS,...",
+    )
+    mixed_precision: str | None = option(
+        None,
+        "FSDP: compute in bf16 or fp16, reduce gradients in float32.  [default: off]",
+        "--mixed-precision",
+        metavar="bf16|fp16",
+    )
+    cpu_offload: bool = option(
+        False, "FSDP: keep parameter shards on the CPU.", "--cpu-offload", is_flag=True
+    )
+    hang_report: float = option(
+        hang_record.DEFAULT_SECONDS,
+        "When ranks have waited this long in a collective for others, say which rank is late and where "
+        "(its stack); the run goes on. 0 turns it off.",
+        "--hang-report",
+        "--hang_report",
+        metavar="SECONDS",
+        type=float,
+    )
+
+    def __post_init__(self) -> None:
+        self.nodes  # noqa: B018 - checks the multi-node options at decoration time
+        if self.nproc is not None and (
+            isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1
+        ):
+            raise ConfigurationError(
+                f"nproc={self.nproc!r} is not a positive whole number of processes; pass e.g. "
+                "nproc=2, or leave it unset for one process per visible GPU (1 without GPUs)"
+            )
+        process_group.resolve_backend(self.backend, gpus=1)  # the name only; GPUs are checked per call
+        if self.start_method not in launch_start.START_METHODS:
+            raise ConfigurationError(
+                f"unknown start_method {self.start_method!r}: use 'auto' (default), 'fork' or 'spawn'"
+            )
+        process_group.as_timeout(self.timeout)
+        ddp.check_keywords(self.ddp)
+        if (
+            isinstance(self.max_restarts, bool)
+            or not isinstance(self.max_restarts, int)
+            or self.max_restarts < 0
+        ):
+            raise ConfigurationError(
+                f"max_restarts={self.max_restarts!r} must be a whole number >= 0 (restarts after a failure)"
+            )
+        models.strategy_named(self.strategy)
+        if self.strategy == "fsdp":
+            fsdp.fsdp_api()
+        elif self.fsdp_blocks or self.mixed_precision is not None or self.cpu_offload:
+            raise ConfigurationError(
+                "fsdp_blocks=, mixed_precision= and cpu_offload= are FSDP's options: add strategy='fsdp'"
+            )
+        fsdp.precision(self.mixed_precision)
+        if isinstance(self.fsdp_blocks, (str, type)) or not all(
+            isinstance(b, (str, type)) for b in self.fsdp_blocks
+        ):
+            raise ConfigurationError(
+                f"fsdp_blocks={self.fsdp_blocks!r}: give a tuple of module classes or class names, "
+                "e.g. fsdp_blocks=(TransformerBlock,) or fsdp_blocks=('TransformerBlock',)"
+            )
+        if (
+            isinstance(self.hang_report, bool)
+            or not isinstance(self.hang_report, (int, float))
+            or not self.hang_report >= 0
+        ):
+            raise ConfigurationError(
+                f"hang_report={self.hang_report!r} must be a number of seconds >= 0: how long ranks may "
+                "wait for another before autoddp says which rank and where (e.g. hang_report=120; 0: off)"
+            )
+        for name in ("sync_batchnorm", "capture", "cpu_offload"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigurationError(f"{name}={getattr(self, name)!r} must be True or False")
+        self.output.shown(self.nproc or max(hardware.gpu_count(), 1))  # ranks=, log_dir= as well
+
+    @classmethod
+    def from_keywords(cls, options: Mapping[str, Any]) -> Options:
+        """Options from ``@distributed(**options)``; an unknown name is a ConfigurationError."""
+        names = [field.name for field in dataclasses.fields(cls)]
+        for name in options:
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=1)
+                hint = f"; did you mean {close[0]}=?" if close else ""
+                raise ConfigurationError(
+                    f"@distributed has no option {name!r}{hint} Its options are: {', '.join(names)}"
+                )
+        return cls(**options)
+
+    @property
+    def nodes(self) -> launch_plan.Nodes:
+        return launch_plan.plan(self.nnodes, self.node_rank, self.master, rdzv_backend=self.rdzv_backend)
+
+    @property
+    def output(self) -> launch_output.Output:
+        return launch_output.Output(self.ranks, self.log_dir)
+
+    @property
+    def run_options(self) -> RunOptions:
+        return RunOptions(
+            strategy=self.strategy,
+            ddp_kwargs=dict(self.ddp or {}),
+            sync_batchnorm=self.sync_batchnorm,
+            capture=self.capture,
+            fsdp_blocks=tuple(self.fsdp_blocks),
+            mixed_precision=self.mixed_precision,
+            cpu_offload=self.cpu_offload,
+        )
+
+    def process_count(self, backend: process_group.Backend, gpus: int) -> int:
+        if self.nproc is None:
+            return gpus if backend.use_cuda else 1
+        if backend.use_cuda and self.nproc > gpus:
+            raise ConfigurationError(
+                f"nproc={self.nproc} but only {gpus} GPU(s) are visible; use nproc<={gpus}, "
+                "or backend='gloo' to run CPU processes"
+            )
+        return self.nproc
+
+
+@dataclasses.dataclass(frozen=True)
+class CommandOnly:
+    """A flag only the command has: a command line's own business, or torchrun's spelling."""
+
+    name: str
+    default: Any
+    help: str
+    flags: tuple[str, ...]
+    click: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+COMMAND_ONLY = (
+    CommandOnly(
+        "as_module",
+        False,
+        "Run SCRIPT as a module name, like python -m.",
+        ("-m", "--module"),
+        {"is_flag": True},
+    ),
+    CommandOnly(
+        "monitor_interval",
+        0.05,
+        "Seconds between checks of the workers' health.",
+        ("--monitor-interval", "--monitor_interval"),
+        {"type": float},
+    ),
+    CommandOnly("role", "default", "The workers' ROLE_NAME, as torchrun's --role.", ("--role",)),
+    CommandOnly(
+        "standalone",
+        False,
+        "Accepted: one machine is always standalone.",
+        ("--standalone",),
+        {"is_flag": True},
+    ),
+    CommandOnly(
+        "run_path",
+        False,
+        "Accepted: scripts always run with runpy.run_path.",
+        ("--run-path", "--run_path"),
+        {"is_flag": True},
+    ),
+    CommandOnly(
+        "quiet",
+        False,
+        "No start-up line from autoddp (how many processes, why).",
+        ("-q", "--quiet"),
+        {"is_flag": True},
+    ),
+    CommandOnly(
+        "master_addr", None, "torchrun's spelling of --master's HOST.", ("--master-addr", "--master_addr")
+    ),
+    CommandOnly(
+        "master_port",
+        None,
+        "torchrun's spelling of --master's PORT.  [default: one machine: a free port; several: 29500]",
+        ("--master-port", "--master_port"),
+        {"type": int},
+    ),
+    CommandOnly(
+        "rdzv_endpoint",
+        None,
+        "The c10d rendezvous's HOST:PORT (@distributed: master= with rdzv_backend='c10d').",
+        ("--rdzv-endpoint", "--rdzv_endpoint"),
+        {"metavar": "HOST:PORT"},
+    ),
+    CommandOnly(
+        "rdzv_id", None, "Job id shared by all nodes.  [default: autoddp]", ("--rdzv-id", "--rdzv_id")
+    ),
+    CommandOnly(
+        "rdzv_conf",
+        None,
+        "Several machines: the rendezvous's settings, e.g. join_timeout=600.",
+        ("--rdzv-conf", "--rdzv_conf"),
+        {"metavar": "KEY=VALUE,..."},
+    ),
+    CommandOnly(
+        "local_addr",
+        None,
+        "Several machines: the address the others reach this one by.  [default: the route to node 0]",
+        ("--local-addr", "--local_addr"),
+    ),
+    CommandOnly(
+        "find_unused_parameters",
+        False,
+        "DDP: allow parameters that get no gradient in a step (slower; @distributed: ddp=).",
+        ("--find-unused-parameters",),
+        {"is_flag": True},
+    ),
+)
+
+
+def signature() -> inspect.Signature:
+    """``@distributed``'s signature: ``fn`` and every field of ``Options``, with its default."""
+    return inspect.Signature(
+        [inspect.Parameter("fn", inspect.Parameter.POSITIONAL_ONLY, default=None)]
+        + [
+            inspect.Parameter(
+                field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default, annotation=field.type
+            )
+            for field in dataclasses.fields(Options)
+        ]
+    )
+
+
+def command_flags() -> list[CommandOnly]:
+    """Every flag of the command, in ``--help``'s order: the shared options first, then its own."""
+    shared = [
+        CommandOnly(f.name, f.default, f.metadata["help"], f.metadata["flags"], f.metadata["click"])
+        for f in dataclasses.fields(Options)
+        if f.metadata["flags"]
+    ]
+    return [*shared, *COMMAND_ONLY]
+
+
+def readme_table() -> str:
+    """The README's option table, made from this list (``tests/test_options.py`` compares them)."""
+    rows = ["| `@distributed(...)` | `autoddp` flag | default | what it does |", "|---|---|---|---|"]
+    for field in dataclasses.fields(Options):
+        meta = field.metadata
+        cells = [f"`{field.name}=`", _flag_cell(meta["flags"]), _default_cell(field.default, meta["help"])]
+        rows.append(f"| {' | '.join(cells)} | {_help_cell(meta['help'])} |")
+    for flag in COMMAND_ONLY:
+        cells = ["", _flag_cell(flag.flags), _default_cell(flag.default, flag.help)]
+        rows.append(f"| {' | '.join(cells)} | {_help_cell(flag.help)} |")
+    return "\n".join(rows)
+
+
+def _flag_cell(flags: tuple[str, ...]) -> str:
+    return ", ".join(f"`{f}`" for f in flags if "_" not in f) if flags else "(decorator only)"
+
+
+def _default_cell(default: Any, text: str) -> str:
+    said = text.partition("  [default: ")[2]
+    return said.rstrip("]") if said else f"`{default!r}`"
+
+
+def _help_cell(text: str) -> str:
+    return text.split("  [default:")[0].replace("|", "\\|")

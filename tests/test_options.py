@@ -1,0 +1,45 @@
+"""One list of options: the decorator's signature, the command's flags and the README's table."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import pathlib
+
+from click.testing import CliRunner
+
+import autoddp
+from autoddp import options
+from autoddp.cli import main
+
+
+def test_the_decorator_the_command_and_the_readme_come_from_one_list():
+    fields = dataclasses.fields(options.Options)
+    signature = inspect.signature(autoddp.distributed)
+    assert list(signature.parameters)[1:] == [f.name for f in fields]
+    for field in fields:
+        assert signature.parameters[field.name].default == field.default
+    command = {p.name: p for p in main.params}
+    for flag in options.command_flags():
+        param = command[flag.name]
+        assert param.default == (None if flag.default == () else flag.default) and param.help == flag.help
+        assert {*param.opts, *param.secondary_opts} == {s for f in flag.flags for s in f.split("/")}
+    assert set(command) - {"script", "script_args", "version"} == {f.name for f in options.command_flags()}
+    helped = CliRunner().invoke(main, ["--help"]).output
+    for flag in options.command_flags():
+        assert flag.flags[0].split("/")[0] in helped
+    readme = pathlib.Path(__file__).parent.parent.joinpath("README.md").read_text()
+    assert options.readme_table() in readme, "README's option table: paste options.readme_table()"
+
+
+def test_the_command_checks_its_values_with_the_decorators_rules(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("")
+    runner = CliRunner()
+    for args, says in [
+        (["--cpu-offload", str(script)], "--cpu-offload are FSDP's options: add --strategy 'fsdp'"),
+        (["--strategy", "zero", str(script)], "zero"),
+        (["--mixed-precision", "fp8", "--strategy", "fsdp", str(script)], "fp8"),
+    ]:
+        done = runner.invoke(main, args)
+        assert done.exit_code == 2 and done.output.count("\n") == 1 and says in done.output, done.output
