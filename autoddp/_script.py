@@ -188,6 +188,7 @@ def run_forked(argv: list[str]) -> None:
     collector (a loopback store's server thread lives there).
     """
     gc.freeze()
+    _worker.own_session()  # (a session of its own, as torchrun's workers)
     _compat.clear_atexit_hooks()
     _fresh_random_streams()
     _worker.use_thread_count()  # (torch read OMP_NUM_THREADS in the command, before it was set)

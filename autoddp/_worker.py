@@ -26,6 +26,7 @@ from autoddp.running import Job, portable, run_in_world
 
 def run_forked(job: Job, folder: str) -> None:
     """Entry point of a forked worker. Returns only on success, as elastic expects."""
+    own_session()
     # Objects inherited from the caller are not ours to collect: freeing one that owns a thread
     # in the caller (a TCPStore server, say) would wait forever for a thread this copy lacks.
     gc.freeze()
@@ -112,6 +113,18 @@ def _set_up_process() -> None:
     die_with_parent()
     _FORKS.make_children_die_with_this_worker()
     use_thread_count()
+
+
+def own_session() -> None:
+    """Leave the launcher's session, as torchrun's workers and autoddp's fresh interpreters do.
+
+    Linux shares the CPU between sessions first (``sched_autogroup``): forked workers left in the
+    launcher's session would share one session's share against other sessions' load (1.15x longer
+    epochs on a busy machine, ``benchmarks/epoch_time.py``). The terminal's signals then reach the
+    launcher only, which stops the workers; the kernel still kills them if it dies.
+    """
+    with contextlib.suppress(OSError):  # already a session leader
+        os.setsid()
 
 
 def use_thread_count() -> None:
