@@ -237,6 +237,7 @@ def no_line_prefix() -> str:
     """A ``log_line_prefix_template`` for elastic's agent under which teed lines keep no prefix.
 
     The agent renders the template per rank only when it is truthy; left unset, its tail writes
-    ``[default0]:`` before every line. An empty string that counts as set renders to ``""``.
+    ``[default0]:`` before every line. An empty string that counts as set renders to ``""``
+    (exercised through the agent itself: ``tests/test_nodes.py``, a node with ``--log-dir``).
     """
     return _EmptyPrefix()
