@@ -224,3 +224,20 @@ def device_context() -> Any:
             "supports, or report it to autoddp with this message"
         )
     return context
+
+
+class _EmptyPrefix(str):
+    """An empty string that counts as set (elastic's agent tests the template for truth)."""
+
+    def __bool__(self) -> bool:
+        return True
+
+
+def no_line_prefix() -> str:
+    """A ``log_line_prefix_template`` for elastic's agent under which teed lines keep no prefix.
+
+    The agent renders the template per rank only when it is truthy; left unset, its tail writes
+    ``[default0]:`` before every line. An empty string that counts as set renders to ``""``
+    (exercised through the agent itself: ``tests/test_nodes.py``, a node with ``--log-dir``).
+    """
+    return _EmptyPrefix()

@@ -107,13 +107,13 @@ def main(script: str | None, script_args: tuple[str, ...], **flags: Any) -> None
         )
         store = launch_plan.one_node_store(*given)
         output = settings.output
-        output.shown(count)
+        output.shown(count)  # local ranks: the same on one machine and on each of several
     except ConfigurationError as error:
         fail(arguments.as_flags(str(error)))
     argv = [*_runner_flags(settings), *(["--module"] if flags["as_module"] else []), script, *script_args]
     how = (flags["max_restarts"], flags["monitor_interval"], settings.hang_report)
     if plan.multi:
-        sys.exit(runs.run_nodes(plan, count, argv, *how, flags["role"]))
+        sys.exit(runs.run_nodes(plan, count, argv, how[0], how[1], output, how[2], flags["role"]))
     line = arguments.process_line(nproc, count, script_args)
     if line and not flags["quiet"] and not environment.detect().launched:
         click.echo(line, err=True)

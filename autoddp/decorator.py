@@ -127,7 +127,12 @@ def _call(options: Options, wrapped: Callable[..., Any], instance: Any, args: tu
         from autoddp.launch import nodes  # (the launch machinery loads when it is first needed)
 
         return nodes.launch_nodes(
-            job, plan=plan, nproc=nproc, max_restarts=options.max_restarts, hang_report=options.hang_report
+            job,
+            plan=plan,
+            nproc=nproc,
+            max_restarts=options.max_restarts,
+            output=options.output,
+            hang_report=options.hang_report,
         )
     if nproc == 1:
         return run_in_world(job, env.world(), finish=prepare)

@@ -54,6 +54,51 @@ DECORATED = """
 """
 
 
+#: Each rank says its global rank on stdout and on stderr; with ``fails`` ranks 2 and 3 (node 1's,
+#: two workers a node) then raise at once, and the other ranks lose their peers.
+SPEAK = """
+rank = dist.get_rank()
+sys.stdout.write(f"out of rank {rank}\\n")
+sys.stdout.flush()
+sys.stderr.write(f"err of rank {rank}\\n")
+sys.stderr.flush()
+dist.barrier()
+if fails and rank >= 2:
+    raise ValueError(f"bad batch on rank {rank}")
+dist.barrier()
+"""
+
+#: ``SPEAK`` in a function decorated for two nodes of two workers with ``ranks="all"`` and a
+#: ``log_dir``; ``python speaks_decorated.py NODE MASTER LOG_DIR [fail]`` prints what its caller got.
+SPEAK_DECORATED = """
+import json, sys, torch.distributed as dist, autoddp
+
+node, master, logs = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+
+@autoddp.distributed(nproc=2, nnodes=2, node_rank=node, master=master, ranks="all", log_dir=logs)
+def speak(fails):
+{body}
+try:
+    speak(len(sys.argv) > 4)
+except Exception as error:
+    found = {{"type": type(error).__name__, "first": str(error).splitlines()[0], "notes": error.__notes__}}
+    sys.stdout.write("FAILED " + json.dumps(found) + "\\n")
+"""
+
+
+def speaking(folder: Path) -> tuple[Path, Path]:
+    """Write ``SPEAK`` as a torchrun-style script (``speaks.py [fail]``) and as a decorated
+    function (``speaks_decorated.py``, see ``SPEAK_DECORATED``) into ``folder``; their paths."""
+    plain = folder / "speaks.py"
+    plain.write_text(
+        'import sys, torch.distributed as dist\ndist.init_process_group("gloo")\n'
+        "fails = len(sys.argv) > 1" + SPEAK
+    )
+    decorated = folder / "speaks_decorated.py"
+    decorated.write_text(SPEAK_DECORATED.format(body=textwrap.indent(SPEAK, "    ")))
+    return plain, decorated
+
+
 def scripts(folder: Path) -> dict[str, Path]:
     """Write the test scripts into ``folder``; their paths by name."""
     paths = {}

@@ -7,6 +7,7 @@ No test sets GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME unless it says so.
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import signal
@@ -14,7 +15,7 @@ import subprocess
 import time
 
 import pytest
-from cluster_tools import HOSTS, SETUP, child_env, need_root, results, scripts
+from cluster_tools import HOSTS, SETUP, child_env, need_root, results, scripts, speaking
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -97,7 +98,8 @@ def test_without_autoddp_gloo_picks_loopback(tmp_path, hosts):
 def test_command_static_rendezvous_torchrun_script(job):
     master = f"{HOSTS[0][1]}:{_port()}"
     script = str(job["torchrun_style"])
-    runs = _both(_command("--nnodes", "2", "--node-rank", "{node}", "--master", master, "-n", "2", script))
+    where = ("--nnodes", "2", "--node-rank", "{node}", "--master", master)
+    runs = _both(_command(*where, "-n", "2", "--ranks", "all", script))  # (default: local rank 0 only)
     _ok(runs)
     found = [r for _, out, _ in runs for r in results(out)]
     assert sorted((r["rank"], r["world"], r["sum"]) for r in found) == [(rank, 4, 10.0) for rank in range(4)]
@@ -246,3 +248,79 @@ def test_node1_killed_mid_run_ends_node0_with_a_clear_error(tmp_path, hosts, fro
     # the rank that saw it, and gloo's words for a peer that went away (two forms), naming its address
     assert "rank 0 of 2" in err and "[10.213.13.2]" in err, err
     assert re.search(r"Connection (closed|reset) by peer", err), err
+
+
+def _speakers(folder, *extra: str):
+    """The command and the decorator on both hosts at once, each with --ranks all and its own log
+    folder (shared by its two hosts): {front: [(process, stdout, stderr) of node 0, of node 1]}."""
+    plain, decorated = speaking(folder)
+    command_master, decorator_master = f"{HOSTS[0][1]}:{_port()}", f"{HOSTS[0][1]}:{_port() + 2000}"
+    commands = {
+        "command": _command(
+            *("--nnodes", "2", "--node-rank", "{node}", "--master", command_master, "-n", "2"),
+            *("--ranks", "all", "--log-dir", str(folder / "command"), str(plain), *extra),
+        ),
+        "decorator": lambda node: [
+            *("python", str(decorated), str(node), decorator_master),
+            *(str(folder / "decorator"), *extra),
+        ],
+    }
+    started = {front: [_start(node, command(node)) for node in (0, 1)] for front, command in commands.items()}
+    try:
+        return {front: [(p, *p.communicate(timeout=120)) for p in pair] for front, pair in started.items()}
+    finally:
+        for pair in started.values():
+            for p in pair:
+                p.kill()
+                p.wait()
+
+
+def test_every_ranks_output_shown_and_kept_on_two_hosts(tmp_path, hosts):
+    runs = _speakers(tmp_path)
+    for front, pair in runs.items():
+        _ok(pair)
+        for node, (_, out, err) in enumerate(pair):
+            ranks = (2 * node, 2 * node + 1)  # prefixed with the global rank, on the node that runs it
+            assert sorted(out.splitlines()) == [f"[rank {r}] out of rank {r}" for r in ranks], (front, out)
+            assert all(f"[rank {r}] err of rank {r}\n" in err for r in ranks), (front, err)
+        for rank in range(4):  # every rank's files, named by global rank: the hosts share the folder
+            for stream in ("out", "err"):
+                (found,) = (tmp_path / front).glob(f"*/attempt_0/{rank}/std{stream}.log")
+                assert f"{stream} of rank {rank}" in found.read_text().splitlines(), front
+
+
+def test_a_failure_on_node1_has_the_root_cause_rules_of_one_node(tmp_path, hosts):
+    runs = _speakers(tmp_path, "fail")
+    (p0, _, err0), (p1, _, err1) = runs["command"]
+    assert p0.returncode == p1.returncode == 1, err0[-3000:] + err1[-3000:]
+    (_, out0, _), (_, out1, _) = runs["decorator"]
+    decorated = [_failure(out) for out in (out0, out1)]
+    command = [
+        {"first": _line(r"autoddp: (\w+: .*) \(its traceback is above\)", e), "notes": e}
+        for e in (err0, err1)
+    ]
+    for front, (node0, node1) in (("command", command), ("decorator", decorated)):
+        # node 1: the first ValueError by time names its rank; the other rank's is listed after it
+        lead = re.fullmatch(r"(?:ValueError: )?\[rank ([23]) of 4\] bad batch on rank \1", node1["first"])
+        assert lead, (front, node1)
+        other = 5 - int(lead[1])
+        assert (
+            f"other ranks also failed: rank {other}: ValueError: bad batch on rank {other}" in node1["notes"]
+        )
+        # node 0: its ranks only lost their peers, and a note says where to look
+        assert re.search(r"\[rank [01] of 4\]", node0["first"]), (front, node0)
+        assert "the failure began there" in node0["notes"], (front, node0)
+    assert decorated[1]["type"] == "ValueError"
+
+
+def _line(pattern: str, text: str) -> str:
+    """The first group of the one line of ``text`` that matches ``pattern``."""
+    (match,) = [m for m in (re.fullmatch(pattern, line) for line in text.splitlines()) if m]
+    return match[1]
+
+
+def _failure(output: str) -> dict:
+    """What the decorated script's caller got: its ``FAILED {...}`` line, the notes joined."""
+    (line,) = [line for line in output.splitlines() if line.startswith("FAILED ")]
+    found = json.loads(line[len("FAILED ") :])
+    return {**found, "notes": "\n".join(found["notes"])}

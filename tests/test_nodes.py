@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
 
 import pytest
+from cluster_tools import speaking
 
 from autoddp import ConfigurationError
 from autoddp.launch import plan as nodes
-from conftest import write
+from conftest import LAUNCHER_NAMES, LAUNCHER_PREFIXES, write
 
 
 def _free_port() -> int:
@@ -112,3 +114,87 @@ def test_bad_multi_node_options_are_clear_errors(kwargs, message):
 def test_elastic_range_uses_c10d():
     plan = nodes.plan("1:4", rdzv_endpoint="host:29400", rdzv_id="job7")
     assert (plan.min_nodes, plan.max_nodes, plan.backend, plan.run_id) == (1, 4, "c10d", "job7")
+
+
+#: Rank 3 (node 1's second) never reaches the all-reduce: everyone else times out waiting for it.
+LATE = """
+import sys, time, torch, torch.distributed as dist, autoddp
+
+@autoddp.distributed(nproc=2, nnodes=2, node_rank=int(sys.argv[1]), master=sys.argv[2], timeout=3)
+def train():
+    dist.barrier()
+    if autoddp.rank() == 3:
+        time.sleep(60)
+    dist.all_reduce(torch.ones(1))
+
+try:
+    train()
+except Exception as error:
+    sys.stdout.write(f"{type(error).__name__}: {error}\\n" + "\\n".join(error.__notes__) + "\\n")
+"""
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """Two two-node runs on loopback at once (2 workers a node), each launcher's (status, out, err).
+
+    ``output``: the command, node 0 with ``--ranks all --log-dir D``, node 1 with ``--log-dir D``
+    (the default ``--ranks 0``); ``late``: a decorated function whose rank 3 never arrives.
+    """
+    folder = tmp_path_factory.mktemp("nodes")
+    env = {
+        n: v for n, v in os.environ.items() if not n.startswith(LAUNCHER_PREFIXES) and n not in LAUNCHER_NAMES
+    }
+    env = {n: v for n, v in env.items() if n not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    (speaks, _), late, logs = speaking(folder), write(folder / "late.py", LATE), folder / "D"
+    command = [sys.executable, "-m", "autoddp.cli", "--nnodes", "2", "-n", "2", "--log-dir", str(logs)]
+    master, other = f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"
+    commands = {
+        ("output", 0): [*command, "--node-rank", "0", "--master", master, "--ranks", "all", str(speaks)],
+        ("output", 1): [*command, "--node-rank", "1", "--master", master, str(speaks)],
+        ("late", 0): [sys.executable, str(late), "0", other],
+        ("late", 1): [sys.executable, str(late), "1", other],
+    }
+    pipe = subprocess.PIPE
+    started = {
+        k: subprocess.Popen(c, stdout=pipe, stderr=pipe, text=True, env=env) for k, c in commands.items()
+    }
+    try:
+        runs = {key: (p, *p.communicate(timeout=120)) for key, p in started.items()}
+    finally:
+        for p in started.values():  # (their workers die with them)
+            p.kill()
+            p.communicate()
+    return {key: (p.returncode, out, err) for key, (p, out, err) in runs.items()}, logs
+
+
+@pytest.mark.timeout(150)
+def test_ranks_and_log_dir_mean_on_two_nodes_what_they_mean_on_one(two_runs):
+    runs, logs = two_runs
+    (code0, out0, err0), (code1, out1, err1) = runs["output", 0], runs["output", 1]
+    assert code0 == code1 == 0, err0 + err1
+    # --ranks all: every local rank's lines, prefixed with its global rank
+    assert sorted(out0.splitlines()) == ["[rank 0] out of rank 0", "[rank 1] out of rank 1"]
+    assert "[rank 0] err of rank 0" in err0 and "[rank 1] err of rank 1" in err0
+    # --ranks 0 on node 1: its local rank 0 (global rank 2), as written, and no other
+    assert out1.splitlines() == ["out of rank 2"]
+    assert "err of rank 2" in err1 and "rank 3" not in err1
+    # every rank's files, in a folder named by its global rank: the two nodes share D
+    for rank in range(4):
+        for stream in ("out", "err"):
+            (found,) = logs.glob(f"*/attempt_0/{rank}/std{stream}.log")
+            assert f"{stream} of rank {rank}" in found.read_text().splitlines()
+
+
+@pytest.mark.timeout(150)
+def test_a_timeout_on_two_nodes_is_triaged_as_on_one(two_runs):
+    runs, _ = two_runs
+    (code0, out0, err0), (code1, out1, err1) = runs["late", 0], runs["late", 1]
+    assert code0 == code1 == 0, err0 + err1
+    # node 1: its rank 2 timed out waiting; rank 3 had not arrived, and where it was is shown
+    assert out1.startswith("RuntimeError: [rank 2 of 4]") and "Timed out" in out1, out1
+    assert "rank(s) 3 had not arrived" in out1 and "where rank 3 was when stopped" in out1, out1
+    assert re.search(r"late.py\", line 8 in train", out1), out1
+    # node 0: its ranks waited for a rank of another machine, which the note says
+    assert re.match(r"RuntimeError: \[rank [01] of 4\]", out0) and "Timed out" in out0, out0
+    assert "the failure began there" in out0, out0

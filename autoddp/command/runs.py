@@ -11,7 +11,7 @@ import signal
 
 import click
 
-from autoddp import environment
+from autoddp import environment, transport
 from autoddp.command.arguments import fail
 from autoddp.errors import ConfigurationError, WorkerError
 from autoddp.hang import record as hang_record
@@ -27,26 +27,27 @@ def run_nodes(
     argv: list[str],
     max_restarts: int,
     monitor_interval: float,
+    output: launch_output.Output,
     hang_report: float = hang_record.DEFAULT_SECONDS,
     role: str = DEFAULT_ROLE,
 ) -> int:
     """This machine's share of a multi-node run, through elastic's agent and rendezvous."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
     try:
-        nodes.run_agent(
-            plan,
-            nproc,
-            ["-m", "autoddp._script", *argv],
-            max_restarts=max_restarts,
-            monitor_interval=monitor_interval,
-            hang_report=hang_report,
-            role=role,
-        )
-    except ConfigurationError as error:  # before anything started: node 0's address, say
-        fail(str(error))
+        with transport.run_folder() as folder:
+            nodes.run_agent(
+                plan,
+                nproc,
+                ["-m", "autoddp._script", *argv],
+                folder=folder,
+                output=output,
+                max_restarts=max_restarts,
+                monitor_interval=monitor_interval,
+                hang_report=hang_report,
+                role=role,
+            )
     except RendezvousTimeoutError:
         waited = dict(plan.conf).get("join_timeout", "600")
         fail(
@@ -54,15 +55,13 @@ def run_nodes(
             f"({waited} s): start autoddp on every machine, or raise --rdzv-conf join_timeout=SECONDS",
             code=1,
         )
-    except ChildFailedError as error:
-        click.echo(
-            f"autoddp: {nodes.describe_failure(error, nproc * plan.max_nodes)}; its traceback is above",
-            err=True,
-        )
-        return 1
     except SignalException as error:
         click.echo(f"autoddp: {error.sigval.name} received: stopped all workers on this node", err=True)
         return 128 + int(error.sigval)
+    except BaseException as error:
+        if isinstance(error, ConfigurationError) and getattr(error, "autoddp_rank", None) is None:
+            fail(str(error))  # before anything started: node 0's address, say
+        return _failed(error)
     return 0
 
 
@@ -96,21 +95,27 @@ def run_here(
             hang_report=hang_report,
             **settings,  # type: ignore[arg-type]
         )
-    except KeyboardInterrupt:  # Ctrl-C: the workers are stopped and one line was printed
-        return 128 + int(signal.SIGINT)
-    except SystemExit as error:  # a rank called sys.exit(code): the launcher said so in one line
-        return error.code if isinstance(error.code, int) else 1
-    except WorkerError as error:  # died without a Python exception: there is no traceback to point at
-        click.echo(f"autoddp: {error}", err=True)
-        _notes(error)
-        return 1
-    except Exception as error:  # a worker failed: it printed its own traceback
+    except BaseException as error:
         if isinstance(error, ConfigurationError) and getattr(error, "autoddp_rank", None) is None:
             fail(str(error), code=1)  # found here before any worker ran (a taken port): no traceback
-        click.echo(f"autoddp: {launch_output.one_line(error)} (its traceback is above)", err=True)
-        _notes(error)
-        return 1
+        return _failed(error)
     return 0
+
+
+def _failed(error: BaseException) -> int:
+    """The command's exit status for a run that failed, after the lines that say how."""
+    if isinstance(error, KeyboardInterrupt):  # Ctrl-C: the workers are stopped and one line was printed
+        return 128 + int(signal.SIGINT)
+    if isinstance(error, SystemExit):  # a rank called sys.exit(code): the launcher said so in one line
+        return error.code if isinstance(error.code, int) else 1
+    if isinstance(error, WorkerError):  # died without a Python exception: no traceback to point at
+        click.echo(f"autoddp: {error}", err=True)
+    elif isinstance(error, Exception):  # a worker failed: it printed its own traceback
+        click.echo(f"autoddp: {launch_output.one_line(error)} (its traceback is above)", err=True)
+    else:
+        raise error
+    _notes(error)
+    return 1
 
 
 def _notes(error: BaseException) -> None:

@@ -4,6 +4,7 @@ that waited in one: its hang record still says so)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -17,6 +18,21 @@ from autoddp.hang import message, pending, record
 _RUNNER = ("<frozen runpy>", os.path.join(os.path.dirname(_finished.__file__), "_script.py"))
 
 
+@dataclasses.dataclass(frozen=True)
+class Ended:
+    """How this machine's workers ended, by global rank.
+
+    ``codes``: each worker's exit status (None while unknown); ``pids``: their process ids;
+    ``first``: the failure elastic saw first (rank, exit status, pid); ``first_rank``: the
+    global rank of this machine's local rank 0 (the hang records are kept by local rank).
+    """
+
+    codes: dict[int, int | None]
+    pids: dict[int, int | None]
+    first: tuple[int, int | None, int | None]
+    first_rank: int = 0
+
+
 def _exit_codes(context: Any) -> dict[int, int | None]:
     """Exit status of every worker of an ended elastic context, by local rank."""
     if hasattr(context, "subprocess_handlers"):  # fresh interpreters
@@ -27,6 +43,45 @@ def _exit_codes(context: Any) -> dict[int, int | None]:
 def first_failure(
     context: Any, result: Any, folder: str, world_size: int, records: str = ""
 ) -> BaseException:
+    """The exception to raise in the caller of a run on this machine (see ``root_cause``)."""
+    codes = _exit_codes(context)
+    for failure in result.failures.values():
+        codes.setdefault(failure.local_rank, failure.exitcode)
+    first = min(result.failures.values(), key=lambda f: f.timestamp)
+    ended = Ended(codes, context.pids(), (first.local_rank, first.exitcode, first.pid))
+    return root_cause(ended, folder, world_size, records)
+
+
+def agent_failure(error: Any, nproc: int, folder: str, world_size: int, records: str = "") -> BaseException:
+    """The exception to raise on this machine after elastic's agent raised ``ChildFailedError``.
+
+    The agent names only the workers that had failed when it looked; it stopped the rest
+    (SIGTERM), except those whose code had already run to its end.
+    """
+    failures = error.failures
+    rank, failure = error.get_first_failure()
+    first_rank = rank - failure.local_rank
+    said = _finished.finished_ranks(folder)
+    codes: dict[int, int | None] = {
+        r: (0 if r in said else -signal.SIGTERM) for r in range(first_rank, first_rank + nproc)
+    }
+    codes.update({r: f.exitcode for r, f in failures.items()})
+    pids = {r: f.pid for r, f in failures.items()}
+    ended = Ended(codes, pids, (rank, failure.exitcode, failure.pid), first_rank)
+    lead = root_cause(ended, folder, world_size, records)
+    reports = transport.load_errors(folder)
+    report = reports.get(getattr(lead, "autoddp_rank", getattr(lead, "rank", None)))
+    late_here = any(code == -signal.SIGTERM and r not in reports for r, code in codes.items())
+    waited = report is not None and (report.is_consequence or (report.is_timeout and not late_here))
+    if waited and hasattr(lead, "add_note"):
+        lead.add_note(
+            "autoddp: this machine's ranks lost (or waited for) ranks of another machine: the failure "
+            "began there, and its launcher names the root cause"
+        )
+    return lead
+
+
+def root_cause(ended: Ended, folder: str, world_size: int, records: str = "") -> BaseException:
     """The exception to raise in the caller: the root-cause failure, others listed briefly.
 
     A worker's own exception comes first unless it only reports a lost connection to a peer
@@ -35,9 +90,7 @@ def first_failure(
     folder, read when a rank died of a signal while it waited in a collective.
     """
     reports = transport.load_errors(folder)
-    codes = _exit_codes(context)
-    for failure in result.failures.values():
-        codes.setdefault(failure.local_rank, failure.exitcode)
+    codes = ended.codes
     # (is a consequence of another failure, when, rank, exception, one-line summary)
     entries: list[tuple[bool, float, int, BaseException, str]] = []
     for rank, report in reports.items():
@@ -47,19 +100,18 @@ def first_failure(
     detected_at = time.time()
     for rank, code in sorted(codes.items()):
         if rank not in reports and code not in (0, None, -signal.SIGTERM):
-            error = _death_error(rank, code, context.pids().get(rank), world_size)
+            error = _death_error(rank, code, ended.pids.get(rank), world_size)
             entries.append((False, detected_at, rank, error, str(error)))
     if not entries:  # only stopped workers: report the one elastic saw first
-        first = min(result.failures.values(), key=lambda f: f.timestamp)
-        error = _death_error(first.local_rank, first.exitcode, first.pid, world_size)
-        entries.append((False, detected_at, first.local_rank, error, str(error)))
+        error = _death_error(*ended.first, world_size)
+        entries.append((False, detected_at, ended.first[0], error, str(error)))
     entries.sort(key=lambda e: (e[0], e[1]))
     lead_rank, lead = entries[0][2], entries[0][3]
     others = [f"rank {rank}: {summary}" for _, _, rank, _, summary in entries[1:]]
     if others and hasattr(lead, "add_note"):
         lead.add_note("autoddp: other ranks also failed: " + "; ".join(others))
     if records and lead_rank not in reports and isinstance(lead, WorkerError) and lead.signal:
-        _explain_death(lead, lead_rank, records, folder, codes)
+        _explain_death(lead, lead_rank, records, folder, ended)
     report = reports.get(lead_rank)
     if report is not None and report.is_timeout and hasattr(lead, "add_note"):
         _explain_timeout(lead, folder, codes, reports)
@@ -115,13 +167,12 @@ def _explain_timeout(lead: BaseException, folder: str, codes: dict[int, int | No
             lead.add_note(f"autoddp: where rank {rank} was when stopped:\n{stack}")
 
 
-def _explain_death(
-    lead: BaseException, lead_rank: int, records: str, folder: str, codes: dict[int, int | None]
-) -> None:
+def _explain_death(lead: BaseException, lead_rank: int, records: str, folder: str, ended: Ended) -> None:
     """A rank killed while it waited in a collective (NCCL's watchdog aborts with SIGABRT once a
     collective has not completed within the timeout): name the ranks that had not arrived, and where."""
     now = time.monotonic()
-    judged = {rank: record.judged(record.read(record.record_path(records, rank))) for rank in codes}
+    local = {rank: rank - ended.first_rank for rank in ended.codes}
+    judged = {rank: record.judged(record.read(record.record_path(records, local[rank]))) for rank in local}
     dead = judged.get(lead_rank)
     if dead is None or not dead.active or not dead.in_collective:
         return

@@ -17,13 +17,12 @@ from typing import Any
 
 from autoddp import hardware, network, transport
 from autoddp._leftovers import private_folder
-from autoddp.errors import WorkerError
 from autoddp.hang import record as hang_record
 from autoddp.hang.combine import Exchange
 from autoddp.hang.watch import Watch
-from autoddp.launch import diagnostics
+from autoddp.launch import diagnostics, failures
 from autoddp.launch.contract import DEFAULT_ROLE
-from autoddp.launch.output import announce_exit, say
+from autoddp.launch.output import Output, announce_exit, say, show_hidden_output
 from autoddp.launch.plan import Nodes, split_endpoint
 from autoddp.launch.side_gloo import side_gloo_variables
 from autoddp.launch.supervise import caller_signal_handlers_kept, elastic_logs_quiet
@@ -35,23 +34,28 @@ def run_agent(
     nproc: int,
     args: list[str],
     *,
+    folder: str,
+    output: Output | None = None,
     max_restarts: int = 0,
     monitor_interval: float = 0.1,
-    log_dir: str | None = None,
     hang_report: float = hang_record.DEFAULT_SECONDS,
     role: str = DEFAULT_ROLE,
 ) -> None:
     """Run ``python ARGS`` in ``nproc`` workers on this node as part of a multi-node world.
 
     The workers reach the other machines through the interface that routes to node 0 (unless
-    the user named one, see ``autoddp.network``); one start-up line says which. This node's
-    ranks are watched for the hang report (node 0 combines every node's view when it can). Raises
-    elastic's ``ChildFailedError`` when a worker fails and ``SignalException`` when this
-    launcher is stopped; elastic has then stopped the local workers.
+    the user named one, see ``autoddp.network``); one start-up line says which. Their output is
+    routed as on one machine (``output``: ``ranks`` are this node's local ranks, ``[rank N]``
+    names the global rank, ``log_dir`` keeps every rank's files, by global rank). Errors are
+    reported into the run folder ``folder``. This node's ranks are watched for the hang report
+    (node 0 combines every node's view when it can). A worker's failure is raised as the root
+    cause among this node's ranks (``launch.failures``, as on one machine); elastic's
+    ``SignalException`` when this launcher is stopped; elastic has then stopped the local workers.
     """
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    output = output or Output()
     host, port = split_endpoint(nodes.endpoint or "")
     net = network.choose(host, os.environ)
     rdzv_configs: dict[str, Any] = dict(nodes.conf)  # --rdzv-conf, as torchrun passes it
@@ -61,10 +65,11 @@ def run_agent(
     if nodes.backend == "c10d" and route is not None and route.owns_address:
         # This machine owns the endpoint's address; torch recognises it only by the host name.
         rdzv_configs["is_host"] = True
-    # elastic keeps its error files in a folder of its own (a new one in /tmp when none is given,
-    # never removed): one of autoddp's, which goes with the run (after a SIGKILL, at a later start)
-    logs_folder = contextlib.nullcontext(log_dir) if log_dir else private_folder("autoddp-elastic-")
-    with logs_folder as logs:
+    # elastic keeps its error files (and the hidden ranks' output, without log_dir) in a folder
+    # of its own (a new one in /tmp when none is given, never removed): one of autoddp's, which
+    # goes with the run (after a SIGKILL, at a later start)
+    with private_folder("autoddp-elastic-") as logs:
+        logs_specs, prefix = output.agent_logs(logs, nproc)
         config = LaunchConfig(
             min_nodes=nodes.min_nodes,
             max_nodes=nodes.max_nodes,
@@ -76,25 +81,42 @@ def run_agent(
             max_restarts=max_restarts,
             monitor_interval=monitor_interval,
             start_method="spawn",
-            logs_specs=DefaultLogsSpecs(log_dir=log_dir or logs),
+            logs_specs=logs_specs,
+            log_line_prefix_template=prefix,
             # The address the other nodes' workers are given for this node (else its host name).
             local_addr=nodes.local_addr or (route.local_address if route and route.interface else None),
             role=role,  # the workers' ROLE_NAME (elastic's own default is "default_role")
         )
         say(_start_line(nodes, nproc, net))
         gpus = hardware.gpu_count()
-        with hang_record.folder() as folder, diagnostics.node_traces(os.environ, nodes.run_id, gpus) as nccl:
+        with hang_record.folder() as records, diagnostics.node_traces(os.environ, nodes.run_id, gpus) as nccl:
             variables = {**net.variables, **nccl, **side_gloo_variables(os.environ, gpus)}
             if hang_report > 0:
-                variables[hang_record.FOLDER_VARIABLE] = folder
-            with (
-                elastic_logs_quiet(),
-                _worker_environment(nproc, variables),
-                Watch(
-                    folder, nproc, hang_report, node=_node_name(nodes), exchange=_exchange(nodes, host, port)
-                ),
-            ):
-                elastic_launch(config, entrypoint=sys.executable)(*args)
+                variables[hang_record.FOLDER_VARIABLE] = records
+            # where a worker reports its error, and whether the launcher prefixes its lines
+            own = {"AUTODDP_RUN_FOLDER": folder, "AUTODDP_LINE_PREFIX": "1" if output.prefixed else "0"}
+            exchange = _exchange(nodes, host, port)
+            watch = Watch(records, nproc, hang_report, node=_node_name(nodes), exchange=exchange)
+            try:
+                with elastic_logs_quiet(), _worker_environment(nproc, variables, own), watch:
+                    elastic_launch(config, entrypoint=sys.executable)(*args)
+            except ChildFailedError as failed:
+                kept = records if hang_report > 0 else ""
+                raise _root_cause(failed, nproc, nodes.max_nodes, folder, kept, output, logs_specs) from None
+
+
+def _root_cause(
+    failed: Any, nproc: int, nnodes: int, folder: str, records: str, output: Output, logs_specs: Any
+) -> BaseException:
+    """The root cause among this node's ranks (the rules of one machine, ``launch.failures``), after
+    the lines one machine's launcher prints with it (a hidden rank's last lines, a rank's sys.exit)."""
+    world_size = nproc * nnodes
+    error = failures.agent_failure(failed, nproc, folder, world_size, records)
+    rank, first = failed.get_first_failure()
+    shown = output.shown(nproc)
+    show_hidden_output(error, getattr(logs_specs, "dest", None), shown, rank - first.local_rank)
+    announce_exit(error, world_size)
+    return error
 
 
 def _exchange(nodes: Nodes, host: str, port: int) -> Exchange | None:
@@ -116,36 +138,27 @@ def _start_line(nodes: Nodes, nproc: int, net: network.Choice) -> str:
 
 
 @contextlib.contextmanager
-def _worker_environment(nproc: int, variables: Mapping[str, str]) -> Iterator[None]:
-    """``OMP_NUM_THREADS``, the network variables and the hang records' folder for the agent's
-    workers while it runs.
+def _worker_environment(nproc: int, variables: Mapping[str, str], own: Mapping[str, str]) -> Iterator[None]:
+    """``OMP_NUM_THREADS``, the network variables and the hang records' folder (where the user set
+    none) and autoddp's own ``own`` variables for the agent's workers while it runs.
 
     Elastic's agent gives its workers a copy of this process's environment, so they are set
-    here for the agent's run only and removed afterwards.
+    here for the agent's run only and restored afterwards.
     """
     threads = hardware.omp_threads(nproc)
     added = {**variables, **({"OMP_NUM_THREADS": threads} if threads is not None else {})}
     added = {name: value for name, value in added.items() if name not in os.environ}
+    added.update(own)
+    before = {name: os.environ.get(name) for name in added}
     os.environ.update(added)
     try:
         yield
     finally:
-        for name in added:
-            os.environ.pop(name, None)
-
-
-def describe_failure(error: Any, world_size: int) -> str:
-    """One line naming the first failed rank of elastic's ``ChildFailedError``."""
-    rank, failure = error.get_first_failure()
-    code = failure.exitcode
-    how = (
-        f"was killed by {failure.signal_name()}"
-        if code is not None and code < 0
-        else f"exited with code {code}"
-    )
-    message = failure.message.get("message", "") if isinstance(failure.message, dict) else ""
-    detail = f": {message.splitlines()[0]}" if message else ""
-    return f"rank {rank} of {world_size} (pid {failure.pid}) {how}{detail}"
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def launch_nodes(
@@ -154,14 +167,15 @@ def launch_nodes(
     plan: Nodes,
     nproc: int,
     max_restarts: int = 0,
+    output: Output | None = None,
     hang_report: float = hang_record.DEFAULT_SECONDS,
 ) -> Any:
     """This machine's share of a multi-node run of ``job`` (fresh interpreters, elastic's agent).
 
-    Returns rank 0's result on the machine that runs rank 0, None on the others.
+    Returns rank 0's result on the machine that runs rank 0, None on the others; raises the
+    root-cause failure among this machine's ranks as the original exception.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     payload = transport.dumps_job(job, job.fn, job.args, job.kwargs)
     with transport.run_folder() as folder:
@@ -172,21 +186,11 @@ def launch_nodes(
                     plan,
                     nproc,
                     ["-m", "autoddp._worker_main", folder],
+                    folder=folder,
+                    output=output,
                     max_restarts=max_restarts,
                     hang_report=hang_report,
                 )
-        except ChildFailedError as error:
-            reports = transport.load_errors(folder)
-            if reports:
-                report = min(reports.values(), key=lambda r: (r.is_consequence, r.time))
-                lead = report.rebuild(nproc * plan.max_nodes)
-                announce_exit(lead, nproc * plan.max_nodes)
-                raise lead from None
-            raise WorkerError(
-                describe_failure(error, nproc * plan.max_nodes),
-                rank=error.get_first_failure()[0],
-                exitcode=None,
-            ) from None
         except SignalException as error:
             say(f"{error.sigval.name} received: stopped all workers on this node")
             if error.sigval == signal.SIGINT:

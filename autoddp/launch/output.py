@@ -17,8 +17,11 @@ class Output:
 
     ``ranks``: ``"0"`` (default: rank 0 only, as written), ``"all"`` (every rank, each line
     prefixed ``[rank N]``) or comma-separated local ranks. Every rank's stdout and stderr also
-    go to files under ``log_dir`` (a private folder removed after the run when unset); the last
-    lines of a failed rank that the console did not show are printed when it fails.
+    go to files under ``log_dir`` (a private folder removed after the run when unset), in a
+    folder named by the rank; the last lines of a failed rank that the console did not show are
+    printed when it fails. On several machines the same holds on each: ``ranks`` names that
+    machine's local ranks (as torchrun's ``--local-ranks-filter``), ``N`` and the files' folders
+    are global ranks, so machines that share ``log_dir`` never mix their files.
     """
 
     ranks: str = "0"
@@ -60,7 +63,7 @@ class Output:
         return self.ranks == "all"
 
     def logs_specs(self, folder: str, nproc: int) -> tuple[Any, dict[int, str]]:
-        """Elastic's log settings for a run.
+        """Elastic's log settings for a run on this machine: the specs and each rank's line prefix.
 
         Shown ranks write straight to the console (a terminal stays a terminal: progress bars
         redraw, colours stay); hidden ranks write to files. With ``log_dir`` the shown ranks are
@@ -69,22 +72,44 @@ class Output:
         real file (captured, redirected to a StringIO), forked workers could not redirect
         theirs: then everything passes through unfiltered.
         """
+        specs = self._specs(folder, nproc)
+        if not real_stdio():
+            return specs, {}
+        if self.prefixed:
+            return specs, {r: f"[rank {r}] " for r in range(nproc)}
+        return specs, ({r: "" for r in self.shown(nproc)} if self.log_dir is not None else {})
+
+    def agent_logs(self, folder: str, nproc: int) -> tuple[Any, str | None]:
+        """The same settings for elastic's agent (several machines): the specs and the line
+        prefix template, ``[rank N]`` with N the global rank (the agent takes no per-rank prefixes)."""
+        from autoddp import _compat
+
+        specs = self._specs(folder, nproc)
+        if not real_stdio():
+            return specs, None
+        if self.prefixed:
+            return specs, "[rank ${rank}] "
+        return specs, (_compat.no_line_prefix() if self.log_dir is not None else None)
+
+    def _specs(self, folder: str, nproc: int) -> Any:
+        """Which local ranks write to files under which folder, and which of those reach the console."""
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+
+        from autoddp.launch.rank_logs import RankLogs
 
         shown = self.shown(nproc)
         if not real_stdio():
-            return DefaultLogsSpecs(log_dir=os.devnull), {}
+            return DefaultLogsSpecs(log_dir=os.devnull)
         log_dir = os.fspath(self.log_dir) if self.log_dir is not None else os.path.join(folder, "logs")
         if self.log_dir is not None:
             _make_folder(log_dir)
         if self.prefixed:
-            specs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL)
-            return specs, {r: f"[rank {r}] " for r in range(nproc)}
+            return RankLogs(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL)
         if self.log_dir is not None:  # every rank in the files; the shown ones on the console too
             tee = {r: (Std.ALL if r in shown else Std.NONE) for r in range(nproc)}
-            return DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=tee), {r: "" for r in shown}
+            return RankLogs(log_dir=log_dir, redirects=Std.ALL, tee=tee)
         redirects = {r: (Std.NONE if r in shown else Std.ALL) for r in range(nproc)}
-        return DefaultLogsSpecs(log_dir=log_dir, redirects=redirects), {}
+        return RankLogs(log_dir=log_dir, redirects=redirects)
 
 
 def _make_folder(path: str) -> None:
@@ -121,18 +146,24 @@ def real_stdio() -> bool:
     return True
 
 
-def show_hidden_output(error: BaseException, result: Any, shown: set[int], lines: int = 20) -> None:
-    """Print the last lines of a failed rank whose output the console did not show."""
+def show_hidden_output(
+    error: BaseException, files: Any, shown: set[int], first_rank: int = 0, lines: int = 20
+) -> None:
+    """Print the last lines of a failed rank whose output the console did not show.
+
+    ``files``: elastic's ``stdouts``/``stderrs`` by local rank (a run's result, or the agent's
+    layout); ``shown``: the local ranks on the console; ``first_rank``: this node's first global rank.
+    """
     rank = getattr(error, "autoddp_rank", getattr(error, "rank", None))
-    if not isinstance(rank, int) or rank in shown:
+    if files is None or not isinstance(rank, int) or rank - first_rank in shown:
         return
     tail: list[str] = []
-    for path in (result.stdouts.get(rank), result.stderrs.get(rank)):
+    for path in (files.stdouts.get(rank - first_rank), files.stderrs.get(rank - first_rank)):
         if path and os.path.isfile(path):
             with open(path, errors="replace") as handle:
                 tail += handle.read().splitlines()[-lines:]
     if tail:
-        console = ", ".join(map(str, sorted(shown)))
+        console = ", ".join(str(first_rank + r) for r in sorted(shown))
         say(f"last lines of rank {rank}'s output (the console shows rank(s) {console}):")
         sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in tail[-lines:]))
         sys.stderr.flush()
