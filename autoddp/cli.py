@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 from autoddp import environment, options
-from autoddp.command import arguments, runs
+from autoddp.command import arguments, runs, torchrun_flags
 from autoddp.command.arguments import fail
 from autoddp.errors import ConfigurationError
 from autoddp.launch import plan as launch_plan
@@ -45,8 +45,15 @@ def _flags(command: Callable[..., Any]) -> Callable[..., Any]:
         settings = {**flag.click, **({"type": _RANGES[flag.name]} if flag.name in _RANGES else {})}
         shown = "[default:" not in flag.help and not any(flag.default is v for v in (None, False, ()))
         default = None if flag.default == () else flag.default  # (click would read () as text)
+        envvar = torchrun_flags.environment_name(flag.flags)  # PET_NPROC_PER_NODE, as torchrun reads it
         command = click.option(
-            *flag.flags, flag.name, default=default, show_default=shown, help=flag.help, **settings
+            *flag.flags,
+            flag.name,
+            default=default,
+            show_default=shown,
+            help=flag.help,
+            envvar=envvar,
+            **settings,
         )(command)
     return command
 
@@ -74,7 +81,7 @@ def main(script: str | None, script_args: tuple[str, ...], **flags: Any) -> None
     launcher and why, and what the decorator and this command would do here.
     """
     master, master_addr, master_port = flags["master"], flags["master_addr"], flags["master_port"]
-    given = (master, master_addr, master_port)  # one machine: where its store listens
+    given = (master or flags["rdzv_endpoint"], master_addr, master_port)  # one machine: its store's place
     if master is None and master_addr is not None:
         master = f"{master_addr}:{master_port or 29500}"
     nproc, endpoint = flags["nproc"], flags["rdzv_endpoint"]
@@ -87,6 +94,7 @@ def main(script: str | None, script_args: tuple[str, ...], **flags: Any) -> None
         except ConfigurationError as error:
             fail(str(error))
         return
+    arguments.refuse_environment(os.environ)
     arguments.choice("--rdzv-backend", flags["rdzv_backend"], launch_plan.RDZV_BACKENDS)
     arguments.choice("--start-method", flags["start_method"], ("auto", "fork", "spawn"))
     arguments.check_target(

@@ -11,6 +11,7 @@ import importlib.util
 import os
 import re
 import sys
+from collections.abc import Mapping
 from typing import Any, NoReturn
 
 import click
@@ -49,6 +50,13 @@ def as_flags(message: str) -> str:
     return message
 
 
+def refuse_environment(environ: Mapping[str, str]) -> None:
+    """A torchrun ``PET_`` variable for a flag autoddp refuses is a usage error, like the flag."""
+    refused = torchrun_flags.refused_in(environ)
+    if refused:
+        fail(refused)
+
+
 def choice(flag: str, value: str | None, allowed: tuple[str, ...]) -> str | None:
     """``value`` if it is one of ``allowed`` (or None); else a usage error, with torchrun's own
     values that autoddp does not take named as such."""
@@ -63,12 +71,14 @@ def choice(flag: str, value: str | None, allowed: tuple[str, ...]) -> str | None
 def process_count(value: str | None) -> int:
     """The number of processes ``--nproc-per-node`` asks for here (one per GPU by default)."""
     gpus = hardware.gpu_count()
-    if value is None or value in ("auto", "gpu"):
-        if value == "gpu" and gpus == 0:
-            fail("--nproc-per-node=gpu but no GPU is visible; give a number, e.g. -n 2")
+    if value is None:  # autoddp's default: one per GPU, else one process
         return gpus or 1
-    if value == "cpu":
-        return 1
+    if value == "gpu":
+        if gpus == 0:
+            fail("--nproc-per-node=gpu but no GPU is visible; give a number, e.g. -n 2")
+        return gpus
+    if value in ("auto", "cpu"):  # as torchrun: auto is one per GPU, else one per core; cpu one per core
+        return gpus if value == "auto" and gpus else hardware.cpu_count()
     if ("--nproc-per-node", value) in torchrun_flags.REFUSED_VALUES:  # xpu
         choice("--nproc-per-node", value, ())
     try:
@@ -95,10 +105,12 @@ def process_line(value: str | None, count: int, script_args: tuple[str, ...]) ->
         if misplaced
         else ""
     )
-    if value not in (None, "auto", "gpu") and not after:
+    if value not in (None, "auto", "gpu", "cpu") and not after:
         return None
     gpus = hardware.gpu_count()
-    if gpus == 0:
+    if value == "cpu" or (value == "auto" and gpus == 0):
+        why = f"one per CPU core (--nproc-per-node {value}, as torchrun)" + after
+    elif gpus == 0:
         why = "no GPU found" + (after or ": pass -n N before the script for N processes on the CPU")
     else:
         why = ("one per visible GPU" if gpus > 1 else "on the one visible GPU") + after

@@ -8,6 +8,8 @@ torchrun's own parser and against the README's table.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 #: torchrun's flags the command takes, with what they do here (the README's table says the same).
 TAKEN = {
     "--nnodes": "machines taking part, N or MIN:MAX",
@@ -70,6 +72,27 @@ def canonical(argument: str) -> str:
         name = name[:2]  # -t3, -r0:1
     name = SHORT.get(name, name)
     return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
+
+
+def environment_name(spellings: tuple[str, ...]) -> str | None:
+    """``PET_<FLAG>``, where torchrun reads a flag's value when the command line does not give it
+    (Kubeflow's PyTorchJob sets ``PET_NPROC_PER_NODE``, ``PET_NNODES``...); None for autoddp's own."""
+    for spelling in spellings:
+        name = canonical(spelling.split("/")[0])
+        if name in TAKEN:
+            return "PET_" + name[2:].replace("-", "_").upper()
+    return None
+
+
+def refused_in(environ: Mapping[str, str]) -> str | None:
+    """The line for a ``PET_`` variable naming a flag autoddp refuses, if one is set."""
+    for flag in REFUSED:
+        variable = "PET_" + flag[2:].replace("-", "_").upper()
+        if environ.get(variable):
+            instead = REFUSED[flag].replace("drop it", "unset it")
+            instead += "" if "unset it" in instead else "; unset it"
+            return f"{variable} is torchrun's {flag}, which autoddp does not take: {instead}"
+    return None
 
 
 def refusal(argument: str) -> str | None:

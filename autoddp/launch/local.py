@@ -25,7 +25,7 @@ from autoddp.launch.failures import first_failure
 from autoddp.launch.output import Output, announce_exit, one_line, say, show_hidden_output
 from autoddp.launch.start_method import choose_start_method, preload_for_forked_workers
 from autoddp.launch.store import loopback_store
-from autoddp.launch.supervise import POLL_SECONDS, supervise
+from autoddp.launch.supervise import POLL_SECONDS, acting_on_signals, supervise
 from autoddp.running import Job
 
 #: For one attempt's run folder: the entry point and each local rank's arguments.
@@ -70,7 +70,8 @@ def launch_function(
             return _worker.run_forked, {r: (job, folder) for r in range(nproc)}
 
     contract = Contract(nproc, max_restarts=max_restarts)
-    return _with_restarts(workers, contract, method, output=output, hang_report=hang_report)
+    with acting_on_signals():
+        return _with_restarts(workers, contract, method, output=output, hang_report=hang_report)
 
 
 def launch_script(
@@ -109,7 +110,8 @@ def launch_script(
             return sys.executable, {r: ("-m", "autoddp._script", *argv) for r in range(nproc)}
 
     contract = Contract(nproc, role, max_restarts, store[0])
-    _with_restarts(workers, contract, method, poll_seconds, output, hang_report, store[1])
+    with acting_on_signals():
+        _with_restarts(workers, contract, method, poll_seconds, output, hang_report, store[1])
 
 
 def _with_restarts(

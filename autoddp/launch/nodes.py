@@ -25,7 +25,12 @@ from autoddp.launch.contract import DEFAULT_ROLE
 from autoddp.launch.output import Output, announce_exit, say, show_hidden_output
 from autoddp.launch.plan import Nodes, split_endpoint
 from autoddp.launch.side_gloo import side_gloo_variables
-from autoddp.launch.supervise import caller_signal_handlers_kept, elastic_logs_quiet
+from autoddp.launch.supervise import (
+    Stopped,
+    acting_on_signals,
+    caller_signal_handlers_kept,
+    elastic_logs_quiet,
+)
 from autoddp.running import Job
 
 
@@ -178,7 +183,7 @@ def launch_nodes(
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     payload = transport.dumps_job(job, job.fn, job.args, job.kwargs)
-    with transport.run_folder() as folder:
+    with acting_on_signals(" on this node"), transport.run_folder() as folder:
         transport.save_job(folder, payload)
         try:
             with caller_signal_handlers_kept():
@@ -191,10 +196,6 @@ def launch_nodes(
                     max_restarts=max_restarts,
                     hang_report=hang_report,
                 )
-        except SignalException as error:
-            say(f"{error.sigval.name} received: stopped all workers on this node")
-            if error.sigval == signal.SIGINT:
-                raise KeyboardInterrupt from None
-            signal.raise_signal(error.sigval)
-            raise
+        except SignalException as error:  # the run folder goes first, then the signal is acted on
+            raise Stopped(signal.Signals(error.sigval)) from None
         return transport.load_result(folder)

@@ -78,8 +78,11 @@ def plan(
 def one_node_store(
     master: str | None, master_addr: str | None, master_port: int | None
 ) -> tuple[str, int | None]:
-    """Where a one-machine run's store listens: ``--master``/``--master-addr``/``--master-port``
-    honoured (a user opens that port in a firewall), else loopback on a free port (None)."""
+    """Where a one-machine run's store listens: ``--master`` (or ``--rdzv-endpoint``),
+    ``--master-addr``/``--master-port`` honoured (a user opens that port in a firewall), else
+    loopback on a free port (None)."""
+    if master and master.rpartition(":")[2] == "0":  # torchrun's --rdzv-endpoint localhost:0: a free port
+        return master.rpartition(":")[0].strip("[]") or LOOPBACK, None
     if master:
         return split_endpoint(master)
     return master_addr or LOOPBACK, master_port

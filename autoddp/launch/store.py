@@ -39,8 +39,8 @@ def loopback_store(nproc: int, host: str = LOOPBACK, port: int | None = None) ->
         family, _, _, _, address = socket.getaddrinfo(host, int(requested), type=socket.SOCK_STREAM)[0]
     except (socket.gaierror, UnicodeError) as exc:
         raise ConfigurationError(
-            f"--master-addr {host!r} is not a known host name or address ({exc}); on one machine leave "
-            "it out (autoddp listens on 127.0.0.1) or give an address of this machine"
+            f"{host!r} (--master-addr, --rdzv-endpoint) is not a known host name or address ({exc}); on "
+            "one machine leave it out (autoddp listens on 127.0.0.1) or give an address of this machine"
         ) from None
     listener = socket.socket(family, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart's port in TIME_WAIT
@@ -55,8 +55,8 @@ def loopback_store(nproc: int, host: str = LOOPBACK, port: int | None = None) ->
             ) from None
         raise ConfigurationError(
             f"cannot listen on {host}{'' if requested == '0' else ' port ' + requested} ({exc.strerror}): "
-            "--master-addr on one machine must be an address of this machine (or leave it out: autoddp "
-            "listens on 127.0.0.1)"
+            "--master-addr (or --rdzv-endpoint) on one machine must be an address of this machine (or "
+            "leave it out: autoddp listens on 127.0.0.1)"
         ) from None
     listener.listen(max(128, nproc))
     try:

@@ -60,12 +60,32 @@ def supervise(
             if context is not None:
                 context.close(timeout=_STOP_GRACE_SECONDS)
             raise
-    # Handlers are the caller's again: act on the signal as the caller's process would have.
-    say(f"{stopped_by.name} received: stopped all workers")
-    if stopped_by == signal.SIGINT:
-        raise KeyboardInterrupt from None
-    signal.raise_signal(stopped_by)
-    raise WorkerError(f"workers stopped by {stopped_by.name}", rank=-1, exitcode=None, signal=stopped_by.name)
+    raise Stopped(stopped_by)  # the run's folders go on the way out; ``acting_on_signals`` acts
+
+
+class Stopped(BaseException):
+    """The workers were stopped by a signal to this process; raised through the run's ``with``
+    blocks (so its folders are removed, as after Ctrl-C) up to ``acting_on_signals``."""
+
+    def __init__(self, sig: signal.Signals) -> None:
+        super().__init__(sig.name)
+        self.sig = sig
+
+
+@contextlib.contextmanager
+def acting_on_signals(where: str = "") -> Iterator[None]:
+    """Around a whole launch: once its folders are gone, act on a signal that stopped the workers
+    as the caller's process would have (its own handlers are back: SIGTERM kills it with 143)."""
+    try:
+        yield
+    except Stopped as stop:
+        say(f"{stop.sig.name} received: stopped all workers{where}")
+        if stop.sig == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        signal.raise_signal(stop.sig)
+        raise WorkerError(
+            f"workers stopped by {stop.sig.name}", rank=-1, exitcode=None, signal=stop.sig.name
+        ) from None
 
 
 @contextlib.contextmanager
