@@ -165,6 +165,7 @@ def report(results: dict[str, list[Run]], table: Table) -> dict[str, Any]:
             round(figures["ratio_ci_low"], 3),
             round(figures["ratio_ci_high"], 3),
         ],
+        "epoch_time_ratio_of_medians": round(figures["ratio_of_medians"], 3),
         "cpu_time_ratio_vs_torchrun": round(cpu["ratio"], 3),
         "cpu_time_ratio_vs_torchrun_ci95": [round(cpu["ratio_ci_low"], 3), round(cpu["ratio_ci_high"], 3)],
         "epoch_s_median": medians(lambda r: r.figure_s, 3),
