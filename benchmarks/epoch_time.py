@@ -1,6 +1,6 @@
 """Epoch time of an unchanged CPU-bound script under ``autoddp -n N`` against ``torchrun``, same run.
 
-    python benchmarks/epoch_time.py            # 8 rounds of 6 epochs (about 2-3 minutes on 2 cores)
+    python benchmarks/epoch_time.py            # 8 rounds of 6 epochs (about 3-4 minutes on 2 busy cores)
     python benchmarks/epoch_time.py --quick    # 3 rounds of 3 epochs, a smaller data set (under a minute)
 
 The script is ``train_epochs.py``: plain single-GPU code (a small conv net on random images, a
@@ -13,8 +13,12 @@ times every epoch inside the script): start-up is left out, and reported apart a
 wall time less its epochs. The first epoch is a warm-up (DDP's first step, the loader's first
 pass); a run's figure is the median of its later epochs. A round's ratio is autoddp's figure over
 torchrun's; the result is the median of the rounds' ratios with its distribution-free 95%
-interval. Prints a table, a verdict on the ratio against 1.0, then as its last line one JSON
-object.
+interval, for wall time and for rank 0's CPU time (all its threads), which waiting for a core
+held by another program does not grow: on a busy machine it shows the launchers' own cost more
+steadily. The JSON says whether the kernel shares the CPU between sessions first
+(``sched_autogroup``): torchrun's workers each have a session, autoddp's share the command's.
+Prints a table, a verdict on the wall-time ratio against 1.0, then as its last line one JSON
+object. The figures of ``--quick`` are for checking the harness, not for quoting.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from run import HERE, Table, _tool, clean_environment, machine_description, run_command
@@ -190,6 +195,19 @@ def verdict(figures: dict[str, Any]) -> str:
     return f"SLOWER than torchrun: ratio {ratio:.3f}, the whole 95% CI {low:.3f}-{high:.3f} above 1.0"
 
 
+def sched_autogroup() -> bool | None:
+    """Whether Linux shares the CPU between sessions first (``kernel.sched_autogroup_enabled``).
+
+    torchrun starts each worker in a session of its own, autoddp's forked workers stay in the
+    command's: where other sessions load the machine, torchrun's workers then get a larger share
+    of it in wall time for the same CPU time (the CPU-time ratio is free of this).
+    """
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        return None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Measure, print the table, the verdict, and the JSON line last."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -213,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     results = measure(args.nproc, settings, progress)
     table = Table()
     figures = report(results, table)
-    machine = machine_description(args.nproc)
+    machine = {**machine_description(args.nproc), "sched_autogroup": sched_autogroup()}
     print(f"autoddp -n {args.nproc} vs torchrun: {machine['device']}, {machine['cpu_cores']} CPU cores,")
     print(f"  {machine['platform']}, Python {machine['python']}, torch {machine['torch']}")
     print(f"  OMP_NUM_THREADS unset; {settings}")
