@@ -27,7 +27,9 @@ The contenders are small scripts in this folder:
 - ``result_transfer.py``: returning a large tensor from rank 0, against torch.save + torch.load;
 - ``repeated_call.py``: repeated decorated calls in one session, passing a model or nothing;
 - ``memory.py``: peak memory per rank and step time of hand-written DDP, autoddp's DDP and
-  strategy="fsdp".
+  strategy="fsdp";
+- ``epoch_time.py`` (run on its own): epoch time of an unchanged CPU-bound script
+  (``train_epochs.py``) under ``autoddp -n N`` against the same training under torchrun.
 """
 
 from __future__ import annotations
@@ -154,17 +156,20 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run_command(command: Sequence[str], timeout: float) -> tuple[float, float, str]:
+def run_command(
+    command: Sequence[str], timeout: float, environment: dict[str, str] | None = None
+) -> tuple[float, float, str]:
     """Run ``command`` to its end; return (wall-clock start, wall-clock end, stdout).
 
-    Raises with the end of its output if it fails or runs past ``timeout`` seconds (then it and
-    every process it started are killed).
+    ``environment``: the command's whole environment (default: ``clean_environment()``). Raises
+    with the end of its output if it fails or runs past ``timeout`` seconds (then it and every
+    process it started are killed).
     """
     start = time.time()
     proc = subprocess.Popen(
         list(command),
         cwd=REPO,
-        env=clean_environment(),
+        env=clean_environment() if environment is None else environment,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -221,3 +221,42 @@ def test_step_overhead_measures_three_sizes_against_ddp_and_prints_json():
         assert figures[size]["watched_submodules"] == 0  # prepare() without capture's guard
     # the check before a forward does not grow with the parameters (a walk: ~100x from 4 to 400)
     assert figures["check_flat"] < 5, figures
+
+
+# --- epoch_time.py ------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_epoch_time_runs_both_launchers_on_the_same_training_without_oversubscribing(capsys, monkeypatch):
+    epoch_time = load("epoch_time")
+    monkeypatch.setenv("OMP_NUM_THREADS", "64")  # the benchmark leaves it out, as a user's shell has it
+    epoch_time.main(["--rounds", "1", "--epochs", "3", "--samples", "512"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    figures = json.loads(lines[-1])
+    cores = figures["machine"]["cpu_cores"]
+    for name in ("autoddp", "torchrun"):  # each worker computes with its share of the cores at most
+        (threads,) = figures["threads_per_worker"][name]
+        assert threads >= 1 and threads * 2 <= max(cores, 2), figures
+    losses = figures["last_loss_median"]  # the same model, data, order and batch under both
+    assert losses["autoddp"] == pytest.approx(losses["torchrun"], abs=2e-3)
+    ratio, (low, high) = figures["epoch_time_ratio_vs_torchrun"], figures["epoch_time_ratio_vs_torchrun_ci95"]
+    assert low <= ratio <= high and 0 < ratio < 4  # oversubscribed workers made it ~10x here
+    assert 0 < figures["cpu_time_ratio_vs_torchrun"] < 4
+    assert any("ratio autoddp / torchrun, epoch time" in line for line in lines) and "1.0" in lines[-3]
+
+
+def test_epoch_time_verdict_reads_the_interval():
+    epoch_time = load("epoch_time")
+    runs = {
+        "autoddp": [epoch_time.Run([2.0, 1.0, 1.2, 0.9], [1.0] * 4, 2.1, 1, 10.0)],
+        "torchrun": [epoch_time.Run([2.0, 1.0, 1.0, 1.0], [2.0] * 4, 2.1, 1, 12.0)],
+    }
+    figures = epoch_time.report(runs, load("run").Table())
+    assert figures["epoch_time_ratio_vs_torchrun"] == 1.0  # medians of epochs 2+: one slow epoch is noise
+    assert figures["cpu_time_ratio_vs_torchrun"] == 0.5
+    assert figures["startup_and_exit_s_median"] == {"autoddp": 4.9, "torchrun": 7.0}
+    assert epoch_time.verdict(figures) == "ratio 1.000 <= 1.0 (95% CI 1.000-1.000)"
+    slower = {"epoch_time_ratio_vs_torchrun": 1.3, "epoch_time_ratio_vs_torchrun_ci95": [1.2, 1.4]}
+    assert epoch_time.verdict(slower).startswith("SLOWER")
+    with pytest.raises(RuntimeError, match=r"epochs 1\.\.3"):
+        epoch_time.parse_run("epoch 1 0.5s loss 2.3 threads 1 cpu 0.4s\n", 1.0, 3)
