@@ -36,7 +36,17 @@ def no_leftover_processes():
 
 
 #: Variables that launchers (torchrun, srun, mpirun, autoddp) set; tests start without them.
-LAUNCHER_PREFIXES = ("SLURM_", "SLURMD_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "TORCHELASTIC_", "AUTODDP_", "PET_")
+LAUNCHER_PREFIXES = (
+    "SLURM_",
+    "SLURMD_",
+    "OMPI_",
+    "PMI_",
+    "PMIX_",
+    "MPI_LOCAL",
+    "TORCHELASTIC_",
+    "AUTODDP_",
+    "PET_",
+)
 LAUNCHER_NAMES = tuple(
     name for name in TORCHRUN_VARIABLES if not name.startswith("TORCH") and name != "OMP_NUM_THREADS"
 )

@@ -177,3 +177,24 @@ def test_a_process_reaps_a_place_once_not_at_every_folder(tmp_path):
     second = _leftovers.make(_leftovers.PREFIX, str(tmp_path))
     assert os.path.isdir(dead)  # a decorated call in a loop does not scan the folder each time
     assert all(os.path.isfile(os.path.join(p, _leftovers.MARKER)) for p in (first, second))
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_and_sighup_leave_no_folder(tmp_path):
+    # What scancel, a SLURM time limit and docker stop send: the run's folders go with it, as after Ctrl-C.
+    script = write(tmp_path / "sleeper.py", SLEEPER)
+    runs = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        tmpdir, ready = tmp_path / f"tmp-{sig.name}", tmp_path / f"ready-{sig.name}"
+        tmpdir.mkdir()
+        ready.mkdir()
+        runs[sig] = (tmpdir, ready, _start(tmp_path, tmpdir, 2, str(script), str(ready)))
+    for sig, (_tmpdir, ready, process) in runs.items():
+        _ready(ready, 2)
+        process.send_signal(sig)
+    for sig, (tmpdir, _ready_folder, process) in runs.items():
+        process.communicate(timeout=60)
+        assert process.returncode == -sig, process.returncode  # it died of the signal, as the caller would
+        hang = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmpdir)
+        assert _owned_by(process.pid, str(tmpdir), hang) == []
+        assert [n for n in os.listdir(tmpdir) if n.startswith(_leftovers.PREFIX)] == []

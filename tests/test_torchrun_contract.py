@@ -206,3 +206,27 @@ def test_env_describes_what_the_command_would_do_here(monkeypatch):
         assert f"\n  {row}" in command
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert "3 per process (OMP_NUM_THREADS, yours)" in CliRunner().invoke(main, ["-n", "2", "env"]).output
+
+
+def test_pet_variables_nproc_keywords_and_rdzv_endpoint_as_torchrun(tmp_path, monkeypatch):
+    from autoddp import hardware
+    from autoddp.command import arguments
+
+    script = str(write(tmp_path / "env.py", SCRIPT))
+    port = _free_port()
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "2")  # Kubeflow's PyTorchJob runs a bare `torchrun train.py`
+    pet, endpoint = _together(
+        ["-m", "autoddp.cli", "--ranks", "all", script],
+        ["-m", "autoddp.cli", "--ranks", "all", "--rdzv-endpoint", f"localhost:{port}", script],
+    )
+    assert sorted(_seen(pet)) == [0, 1]
+    assert {r["env"]["MASTER_PORT"] for r in _seen(endpoint).values()} == {str(port)}
+    monkeypatch.delenv("PET_NPROC_PER_NODE")
+    assert arguments.process_count("cpu") == hardware.cpu_count()  # torchrun: one per core
+    if not torch.cuda.is_available():
+        assert arguments.process_count("auto") == hardware.cpu_count()
+    monkeypatch.setenv("PET_TEE", "3")
+    done = CliRunner().invoke(main, [script])
+    assert (
+        done.exit_code == 2 and done.output.count("\n") == 1 and "PET_TEE is torchrun's --tee" in done.output
+    )
