@@ -305,7 +305,10 @@ COMMAND_ONLY = (
         {"metavar": "HOST:PORT"},
     ),
     CommandOnly(
-        "rdzv_id", None, "Job id shared by all nodes.  [default: autoddp]", ("--rdzv-id", "--rdzv_id")
+        "rdzv_id",
+        None,
+        "Job id shared by all nodes.  [default: none, as torchrun]",
+        ("--rdzv-id", "--rdzv_id"),
     ),
     CommandOnly(
         "rdzv_conf",

@@ -19,7 +19,7 @@ class Nodes:
     node_rank: int | None = None
     endpoint: str | None = None  # host:port of the rendezvous (node 0's store for static)
     backend: str = "static"
-    run_id: str = "autoddp"
+    run_id: str = "none"  # torchrun's --rdzv-id default: the workers' TORCHELASTIC_RUN_ID
     conf: tuple[tuple[str, str], ...] = ()  # --rdzv-conf KEY=VALUE,... for the rendezvous
     local_addr: str | None = None  # the address the other machines reach this one by
 
@@ -72,7 +72,7 @@ def plan(
                 "(node 0 hosts the rendezvous at the --master address)"
             )
     conf = _conf(rdzv_conf)
-    return Nodes(min_nodes, max_nodes, node_rank, endpoint, backend, rdzv_id or "autoddp", conf, local_addr)
+    return Nodes(min_nodes, max_nodes, node_rank, endpoint, backend, rdzv_id or "none", conf, local_addr)
 
 
 def one_node_store(
