@@ -79,15 +79,21 @@ class Patches:
     def install(self, patches: Iterable[tuple[Any, str, Any]]) -> Patches:
         """Put every ``(owner, name, replacement)`` in place now: all of them, or (on an error) none."""
         added: list[_Layer] = []
+        stacks, ever = _STACKS, _EVER
         with _LOCK:
             try:
                 for owner, name, replacement in patches:
                     key = (id(owner), name)
-                    before = own_value(owner, name)
-                    _EVER.setdefault(key, (owner, name, before))
+                    before = vars(owner).get(name, MISSING)
+                    if key not in ever:
+                        ever[key] = (owner, name, before)
                     layer = _Layer(owner, name, before, replacement)
                     setattr(owner, name, replacement)
-                    _STACKS.setdefault(key, []).append(layer)
+                    stack = stacks.get(key)
+                    if stack is None:
+                        stacks[key] = [layer]
+                    else:
+                        stack.append(layer)
                     added.append(layer)
             except BaseException:
                 for layer in reversed(added):
@@ -119,19 +125,23 @@ class Patches:
 
 def _take_out(layer: _Layer) -> None:
     """Remove ``layer`` from its attribute's stack, putting back what it found if it is on top."""
-    key = (id(layer.owner), layer.name)
-    stack = _STACKS.get(key, [])
-    index = next((i for i, each in enumerate(stack) if each is layer), None)
-    if index is None:
+    owner, name = layer.owner, layer.name
+    key = (id(owner), name)
+    stack = _STACKS.get(key)
+    if stack is None:
         return
-    if index == len(stack) - 1:
-        if own_value(layer.owner, layer.name) is layer.replacement:  # else someone else's: theirs stays
-            _put(layer.owner, layer.name, layer.before)
+    if stack[-1] is layer:
+        if vars(owner).get(name, MISSING) is layer.replacement:  # else someone else's: theirs stays
+            _put(owner, name, layer.before)
+        stack.pop()
     else:
+        index = next((i for i, each in enumerate(stack) if each is layer), None)
+        if index is None:
+            return
         above = stack[index + 1]
         if above.before is layer.replacement:  # the unit above will put back what this one found
             above.before = layer.before
-    del stack[index]
+        del stack[index]
     if not stack:
         del _STACKS[key]
 
