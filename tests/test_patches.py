@@ -108,6 +108,22 @@ def test_an_install_that_fails_halfway_leaves_nothing():
     assert (Owner, "method") not in _patches.active()
 
 
+def test_capture_device_habits_leave_torch_as_it_was():
+    # (their patches are made on a machine with GPUs; installing them touches no GPU)
+    from autoddp.capture.devices import Devices
+    from autoddp.state import World
+
+    devices = Devices(World(world_size=2, local_world_size=2), lambda: None)
+    devices.own = 0
+    devices.install()
+    replaced = _patches.active()
+    assert (torch.Tensor, "to") in replaced and (torch.cuda, "set_device") in replaced
+    assert "to" in vars(torch.Tensor)  # on the class itself while installed
+    devices.uninstall()
+    assert "to" not in vars(torch.Tensor)  # inherited from torch._C.TensorBase again, not copied
+    assert _patches.active() == [] and _patches.unrestored() == []
+
+
 # --- after every kind of run, torch is exactly as it was ----------------------------------------
 
 seen: set[str] = set()  # what some unit replaced while the user's code ran (in an in-place process)
