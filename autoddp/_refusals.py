@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from autoddp import _compat
+from autoddp import _compat, _patches
 from autoddp.errors import CollectiveInRank0Error
 
 # Collectives that hang when one rank calls them alone (the names torch.distributed defines).
@@ -46,31 +46,27 @@ class _State:
 
     def __init__(self) -> None:
         self.running = ""
-        self.refusals: list[tuple[dict[str, Any], dict[str, Callable[..., Any]]]] = []
+        self.refusals: list[tuple[ModuleType, str, Callable[..., Any]]] = []
 
 
 _STATE = _State()
 
 
-def refuse(where: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """Put stand-ins that raise in place of the collectives while ``where`` runs; returns what to put back."""
+def refuse(where: str) -> _patches.Patches:
+    """Put stand-ins that raise in place of the collectives while ``where`` runs; ``restore`` the unit."""
     _STATE.running = where
     if not _STATE.refusals:
         _STATE.refusals = _make_refusals()
-    saved = []
-    for namespace, refusals in _STATE.refusals:
-        saved.append((namespace, {name: namespace.get(name) for name in refusals}))
-        namespace.update(refusals)  # one call per module: a block on rank 0 stays cheap
-    return saved
+    return _patches.install(_STATE.refusals)
 
 
-def restore(saved: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
-    for namespace, originals in saved:
-        namespace.update(originals)
+def restore(saved: _patches.Patches) -> None:
+    """The collectives back (only where the stand-ins still stand)."""
+    saved.restore()
 
 
-def _make_refusals() -> list[tuple[dict[str, Any], dict[str, Callable[..., Any]]]]:
-    """(module namespace, {name: stand-in}) for every collective a body can reach by attribute."""
+def _make_refusals() -> list[tuple[ModuleType, str, Callable[..., Any]]]:
+    """(module, name, stand-in) for every collective a body can reach by attribute."""
     _compat.ddp_buffer_broadcast()  # DDP's forward broadcasts buffers through it: refused too
     modules: list[tuple[ModuleType, tuple[str, ...], str]] = [
         (dist, (*COLLECTIVES, _compat.DDP_BUFFER_BROADCAST), "torch.distributed"),
@@ -81,11 +77,10 @@ def _make_refusals() -> list[tuple[dict[str, Any], dict[str, Callable[..., Any]]
         if module is not None:
             modules.append((module, ("barrier",), "autoddp"))
     return [
-        (
-            vars(module),
-            {name: _refusal(f"{label}.{name}") for name in names if vars(module).get(name) is not None},
-        )
+        (module, name, _refusal(f"{label}.{name}"))
         for module, names, label in modules
+        for name in names
+        if vars(module).get(name) is not None
     ]
 
 

@@ -27,7 +27,7 @@ from typing import Any, TypeVar, overload
 
 import torch.distributed as dist
 
-from autoddp import _compat, _refusals, _skip
+from autoddp import _compat, _patches, _refusals, _skip
 from autoddp.errors import ConfigurationError, Rank0Error
 from autoddp.hang import record
 from autoddp.hang.marks import MARKS
@@ -79,7 +79,7 @@ class Rank0Block:
         self._key = ""
         self._where = "the rank0() block"
         self._store: Any = None
-        self._saved: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        self._saved: _patches.Patches | None = None
         self._skipper = _skip.BodySkipper()
         self._marked = False
 
@@ -137,8 +137,9 @@ class Rank0Block:
         """On rank 0: give the collectives back and publish whether the body raised."""
         if self._mode is not _RUN:
             return
-        _refusals.restore(self._saved)
-        self._saved = []
+        if self._saved is not None:
+            _refusals.restore(self._saved)
+            self._saved = None
         _STATE.depth -= 1
         if self._marked:
             MARKS.unmark()

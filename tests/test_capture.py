@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from patch_inspection import inspected, reports
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -331,15 +332,20 @@ def test_init_process_group_after_capture_made_the_group_is_a_clear_error(tmp_pa
     assert off.returncode == 0, off.stderr
 
 
-def test_hooks_are_gone_after_the_call():
-    original_init = torch.optim.Optimizer.__init__
-    original_iter = DataLoader.__iter__
-    original_save = torch.save
+def test_hooks_are_in_place_in_the_workers_while_the_function_runs_and_gone_at_its_end(tmp_path):
+    hooked = (
+        (torch.optim.Optimizer, "__init__", torch.optim.Optimizer.__init__),
+        (DataLoader, "__iter__", DataLoader.__iter__),
+        (torch, "save", torch.save),
+    )  # the workers' too: forked from here
+
+    def originals() -> list[bool]:
+        return [getattr(owner, name) is original for owner, name, original in hooked]
 
     @autoddp.distributed(nproc=2, start_method="fork")
-    def inside():
-        return torch.optim.Optimizer.__init__ is not original_init
+    def inside(folder):
+        during = originals()
+        return inspected(folder, lambda: {"during": during, "after": originals()})
 
-    assert inside() is True
-    assert torch.optim.Optimizer.__init__ is original_init
-    assert DataLoader.__iter__ is original_iter and torch.save is original_save
+    inside(str(tmp_path))
+    assert reports(str(tmp_path)) == [{"during": [False] * 3, "after": [True] * 3}] * 2

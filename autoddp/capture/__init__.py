@@ -24,7 +24,6 @@ In a script the process group is made at the first moment capture needs it (``jo
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -35,7 +34,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader
 
-from autoddp import _compat, _warn, models
+from autoddp import _compat, _patches, _warn, models
 from autoddp.capture import devices, loaders, optimizers
 from autoddp.capture._notice import Notice, where
 from autoddp.capture._registry import DEPTH, Registry, user_site
@@ -69,7 +68,7 @@ class Session:
         self.made_group = False
         self.registry = Registry()
         self.busy = False
-        self._patches: list[tuple[Any, str, Any]] = []
+        self._patches = _patches.Patches()
         self._handles: list[Any] = []
         self._constructing: set[int] = set()  # optimizers in __init__ (its add_param_group calls)
         self._loaders = 0
@@ -88,42 +87,45 @@ class Session:
     # --- lifecycle ----------------------------------------------------------------------------
 
     def install(self) -> None:
+        """Put the hooks in place; on an error, none of them stays."""
         CURRENT.capture = self
-        self.registry.install()
-        self.devices.install()
-        self._patch(torch.optim.Optimizer, "__init__", self._optimizer_init)
-        self._patch(torch.optim.Optimizer, "add_param_group", self._add_param_group)
-        self._patch(DataLoader, "__init__", self._loader_init)
-        self._patch(DataLoader, "__iter__", self._loader_iter)
-        self._patch(DataLoader, "__len__", self._loader_len)
-        self._patch(torch.nn.parallel.DistributedDataParallel, "__init__", self._ddp_init)
-        self._patch(torch.autograd, "backward", self._backward)
-        self._handles.append(register_optimizer_step_pre_hook(self._before_step))
-        for owner in (torch, torch.serialization):
-            self._patch(owner, "save", self._save)
-        if self._join is not None:  # a script: the user may make the group themselves
-            for owner in (dist, dist.distributed_c10d):
-                self._patch(owner, "init_process_group", self._init_process_group)
+        try:
+            self.registry.install()
+            self.devices.install()
+            patches = [
+                (torch.optim.Optimizer, "__init__", self._optimizer_init),
+                (torch.optim.Optimizer, "add_param_group", self._add_param_group),
+                (DataLoader, "__init__", self._loader_init),
+                (DataLoader, "__iter__", self._loader_iter),
+                (DataLoader, "__len__", self._loader_len),
+                (torch.nn.parallel.DistributedDataParallel, "__init__", self._ddp_init),
+                (torch.autograd, "backward", self._backward),
+                *((owner, "save", self._save) for owner in (torch, torch.serialization)),
+            ]
+            if self._join is not None:  # a script: the user may make the group themselves
+                for owner in (dist, dist.distributed_c10d):
+                    patches.append((owner, "init_process_group", self._init_process_group))
+            self._patches.install(_patches.wrapping(owner, name, make) for owner, name, make in patches)
+            self._handles.append(register_optimizer_step_pre_hook(self._before_step))
+        except BaseException:
+            self.uninstall()
+            raise
 
     def uninstall(self) -> None:
-        if self.saves is not None:
-            self.saves.finish()  # rank 0's code has ended: no rank waits for its saves any more
-        self.passes.write()
-        for owner, name, original in reversed(self._patches):
-            setattr(owner, name, original)
-        self._patches = []
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self.registry.uninstall()
-        self.devices.uninstall()
-        if CURRENT.capture is self:
-            CURRENT.capture = None
-
-    def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
-        original = getattr(owner, name)
-        self._patches.append((owner, name, original))
-        setattr(owner, name, functools.wraps(original)(make(original)))
+        """Take the hooks out (idempotent): torch's attributes are as they were before ``install``."""
+        try:
+            if self.saves is not None:
+                self.saves.finish()  # rank 0's code has ended: no rank waits for its saves any more
+            self.passes.write()
+        finally:
+            self._patches.restore()
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+            self.registry.uninstall()
+            self.devices.uninstall()
+            if CURRENT.capture is self:
+                CURRENT.capture = None
 
     @contextlib.contextmanager
     def _own_work(self) -> Iterator[None]:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from autoddp import _compat, placement
+from autoddp import _compat, _patches, placement
 from autoddp.capture._notice import Notice, where
 from autoddp.capture._registry import user_site
 from autoddp.errors import ConfigurationError
@@ -40,43 +40,33 @@ class Devices:
         self.world = world
         self.own = None if world is None else placement.own_gpu(world, torch.cuda.device_count())
         self._notice = notice
-        self._patches: list[tuple[Any, str, Any, bool]] = []
+        self._patches = _patches.Patches()
 
     def install(self) -> None:
-        if self.own is None or self._patches:
+        if self.own is None or self._patches.installed:
             return
-        self._patch(torch.cuda, "set_device", self._set_device)
+        patches: list[tuple[Any, str, Callable[[Any], Any]]] = [(torch.cuda, "set_device", self._set_device)]
         for name in ("set_device_index", "set_device_idx"):  # (imagenet/main.py's way)
             if hasattr(torch.accelerator, name):
-                self._patch(torch.accelerator, name, self._set_device)
+                patches.append((torch.accelerator, name, self._set_device))
         for names, strict in ((_WORKING_ON, True), (_READING, False)):  # synchronize(0), memory_allocated(0)
             for name in names:
                 if hasattr(torch.cuda, name):
-                    self._patch(torch.cuda, name, functools.partial(self._device_first, strict=strict))
-        self._patch(torch.cuda.device, "__init__", self._device_context)
+                    patches.append((torch.cuda, name, functools.partial(self._device_first, strict=strict)))
+        patches.append((torch.cuda.device, "__init__", self._device_context))
         # torch.set_default_device("cuda:0") and `with torch.device("cuda:0"):` both make one
-        self._patch(_compat.device_context(), "__init__", self._device_context)
-        self._patch(torch.Tensor, "to", self._tensor_to)
-        self._patch(torch.Tensor, "cuda", self._tensor_cuda)
+        patches.append((_compat.device_context(), "__init__", self._device_context))
+        patches.append((torch.Tensor, "to", self._tensor_to))  # inherited: deleted again at the end
+        patches.append((torch.Tensor, "cuda", self._tensor_cuda))
         for storage in (torch.UntypedStorage, torch.TypedStorage):  # map_location=lambda s, l: s.cuda(0)
-            self._patch(storage, "cuda", self._tensor_cuda)
-        self._patch(torch.nn.Module, "to_empty", self._to_empty)  # a meta-built model's weights
-        for owner in (torch, torch.serialization):
-            self._patch(owner, "load", self._load)
-        self._patch(torch.nn.DataParallel, "__init__", self._data_parallel)
+            patches.append((storage, "cuda", self._tensor_cuda))
+        patches.append((torch.nn.Module, "to_empty", self._to_empty))  # a meta-built model's weights
+        patches += [(owner, "load", self._load) for owner in (torch, torch.serialization)]
+        patches.append((torch.nn.DataParallel, "__init__", self._data_parallel))
+        self._patches.install(_patches.wrapping(owner, name, make) for owner, name, make in patches)
 
     def uninstall(self) -> None:
-        for owner, name, original, own_attribute in reversed(self._patches):
-            if own_attribute:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)  # it was inherited (Tensor.to lives on torch._C.TensorBase)
-        self._patches = []
-
-    def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
-        original = getattr(owner, name)
-        self._patches.append((owner, name, original, name in vars(owner)))
-        setattr(owner, name, functools.wraps(original)(make(original)))
+        self._patches.restore()
 
     # --- the rule -----------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autoddp import _compat
+from autoddp import _compat, _patches
 from autoddp.hang import pending, record
 from autoddp.state import World
 
@@ -53,7 +53,7 @@ class Marks:
         self.map: Any = None
         self.writer: record.Writer | None = None
         self.dump: Any = None
-        self.patches: list[tuple[Any, str, Any, Any]] = []  # (owner, name, original, wrapper)
+        self.patches = _patches.Patches()  # the wrappers in place while installed
         self.wrappers: dict[int, tuple[Any, Any]] = {}  # id(original) -> (original, its wrapper)
         self.forks_watched = False
         self.pending = pending.Pending()
@@ -104,7 +104,8 @@ class Marks:
 
     def _forked(self) -> None:
         """In a child forked while installed (a DataLoader worker): mark nothing, write nothing."""
-        self.thread, self.map, self.writer, self.dump, self.patches = -1, None, None, None, []
+        self.thread, self.map, self.writer, self.dump = -1, None, None, None
+        self.patches.forget()
         self.pending.forked()
 
     def patch(self) -> None:
@@ -114,28 +115,26 @@ class Marks:
         same object (so Python's specialised calls to it stay valid).
         """
         _compat.ddp_buffer_broadcast()  # checks that DDP's broadcast is where autoddp expects it
+        patches = []
         for module in (dist, dist.distributed_c10d):
             for index, name in enumerate(record.NAMES):
                 original = vars(module).get(name)
                 if original is not None and index != _BACKWARD:
-                    self._replace(module, name, original, functools.partial(self._collective, index))
-        self._replace(torch.autograd, "backward", torch.autograd.backward, self._backward)
+                    marked = functools.partial(self._collective, index)
+                    patches.append(self._wrapper(module, name, original, marked))
+        patches.append(self._wrapper(torch.autograd, "backward", torch.autograd.backward, self._backward))
         ddp = torch.nn.parallel.DistributedDataParallel
-        self._replace(ddp, "__init__", ddp.__init__, self._ddp_init)
+        patches.append(self._wrapper(ddp, "__init__", ddp.__init__, self._ddp_init))
+        self.patches.install(patches)
 
     def unpatch(self) -> None:
-        """The originals back, where a wrapper of ours is still in place."""
-        for owner, name, original, wrapper in reversed(self.patches):
-            if getattr(owner, name, None) is wrapper:
-                setattr(owner, name, original)
-        self.patches = []
+        """The originals back, where a wrapper of ours is still in place (``_patches``' rule)."""
+        self.patches.restore()
 
-    def _replace(self, owner: Any, name: str, original: Any, make: Callable[[Any], Any]) -> None:
+    def _wrapper(self, owner: Any, name: str, original: Any, make: Callable[[Any], Any]) -> tuple:
         if id(original) not in self.wrappers:  # (the original is kept: its id stays its own)
             self.wrappers[id(original)] = (original, make(original))
-        wrapper = self.wrappers[id(original)][1]
-        setattr(owner, name, wrapper)
-        self.patches.append((owner, name, original, wrapper))
+        return owner, name, self.wrappers[id(original)][1]
 
     # --- the record ---------------------------------------------------------------------------
 

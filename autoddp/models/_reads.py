@@ -18,13 +18,15 @@ from typing import Any
 
 import torch
 
+from autoddp import _patches
+
 #: The ways a tensor's values leave torch as Python values.
 EXITS = (
     *("item", "tolist", "numpy", "__float__", "__int__", "__index__", "__complex__", "__bool__"),
     "__format__",
 )
-#: Kept on the DTensor class while installed: the methods it had before.
-_ORIGINALS = "_autoddp_plain_reads"
+#: The whole reads, while installed (DTensor's own methods come back with ``uninstall``).
+_READS = _patches.Patches()
 
 
 def _full(tensor: Any) -> torch.Tensor:
@@ -53,27 +55,11 @@ def install() -> None:
     """Read DTensors whole from now on (idempotent)."""
     from torch.distributed.tensor import DTensor
 
-    if _ORIGINALS in DTensor.__dict__:
+    if _READS.installed:
         return
-    names = (*EXITS, "__repr__")
-    originals = {name: DTensor.__dict__.get(name) for name in names}
-    for name in EXITS:
-        setattr(DTensor, name, _reading(name))
-    DTensor.__repr__ = _repr  # type: ignore[method-assign]
-    setattr(DTensor, _ORIGINALS, originals)
+    _READS.install([*((DTensor, name, _reading(name)) for name in EXITS), (DTensor, "__repr__", _repr)])
 
 
 def uninstall() -> None:
     """Give DTensor its own reads back (idempotent)."""
-    import sys
-
-    tensors = sys.modules.get("torch.distributed.tensor")
-    if tensors is None or _ORIGINALS not in tensors.DTensor.__dict__:
-        return
-    DTensor = tensors.DTensor
-    for name, original in DTensor.__dict__[_ORIGINALS].items():
-        if original is None:
-            delattr(DTensor, name)
-        else:
-            setattr(DTensor, name, original)
-    delattr(DTensor, _ORIGINALS)
+    _READS.restore()
