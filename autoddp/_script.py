@@ -27,7 +27,6 @@ import runpy
 import signal
 import sys
 import threading
-import types
 from typing import Any
 
 import torch
@@ -36,6 +35,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from autoddp import (
     _compat,
     _finished,
+    _frames,
     _worker,
     capture,
     environment,
@@ -60,17 +60,6 @@ def _run(argv: list[str]) -> None:
         sys.argv = [path, *rest]
         sys.path[0] = os.path.dirname(os.path.abspath(path))
         runpy.run_path(path, run_name="__main__")
-
-
-def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
-    """Drop the leading frames of this runner and runpy, keeping the user's own."""
-    runner_files = (__file__, runpy.__file__)
-    while tb is not None and (
-        tb.tb_frame.f_code.co_filename in runner_files
-        or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")
-    ):
-        tb = tb.tb_next
-    return tb
 
 
 class _ScriptWorld:
@@ -170,7 +159,7 @@ def main(leave_groups_at_exit: bool = True) -> None:
         folder = os.environ.get("AUTODDP_RUN_FOLDER")
         if folder:
             transport.save_error(folder, int(os.environ.get("RANK", "0")), exc)
-        exc.__traceback__ = _user_frames(exc.__traceback__)
+        exc.__traceback__ = _frames.without_runners(exc.__traceback__)
         sys.excepthook(type(exc), exc, exc.__traceback__)
         sys.exit(1)
     if os.environ.get("WORLD_SIZE", "1") != "1":

@@ -26,6 +26,7 @@ from typing import Any, BinaryIO
 import cloudpickle
 import torch
 
+from autoddp import _frames
 from autoddp._leftovers import private_folder
 from autoddp.errors import RemoteError, RemoteTraceback, SerializationError
 
@@ -325,35 +326,23 @@ def _pickle_exception(exc: BaseException) -> bytes | None:
 def save_error(folder: str, rank: int, exc: BaseException) -> None:
     """Record ``exc`` for the caller (called in the worker, before it exits)."""
     pickled = _pickle_exception(exc)
+    shown = _frames.without_runners(exc.__traceback__, keep_last=True)  # from the user's frames on
     report = ErrorReport(
         rank=rank,
         time=time.time(),
         type_name=_qualified_name(type(exc)),
         message=str(exc),
-        traceback="".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__))),
+        traceback="".join(traceback.format_exception(type(exc), exc, shown)),
         pickled=pickled,
     )
     write_private(os.path.join(folder, f"error-{rank}.pkl"), pickle.dumps(report))
-
-
-#: The worker's own frames, below the user's: the process set-up and the one call path.
-_WORKER_FILES = tuple(
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), name) for name in ("_worker.py", "running.py")
-)
-
-
-def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
-    """Drop the worker's own leading frames from a traceback: the user's frames remain."""
-    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename in _WORKER_FILES:
-        tb = tb.tb_next
-    return tb
 
 
 def user_stack(stack: str) -> str:
     """A faulthandler dump (most recent call first) cut before the worker's own frames."""
     kept = []
     for line in stack.splitlines():
-        if any(name in line for name in _WORKER_FILES):
+        if _frames.runner_line(line):
             break
         kept.append(line)
     return "\n".join(kept)

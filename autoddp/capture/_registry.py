@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from autoddp import _warn
+from autoddp import _frames
 
 Site = tuple[str, int]
 
@@ -94,15 +94,12 @@ def _lookup(table: dict[int, tuple[weakref.ref, weakref.ref]], key: Any) -> Any:
 
 
 def user_site(frame: FrameType | None, made: Any = None) -> Site:
-    """(file, line) of the first frame outside autoddp, torch and the standard helpers.
+    """(file, line) of the user's first frame (``_frames``), or ``("<unknown>", 0)``.
 
     ``made``: an object being constructed; frames of its own ``__init__`` (a model's class body)
     are passed too, so the site is the line that created it (``model = Net()``).
     """
-    while frame is not None and (
-        _warn.is_library(frame.f_code.co_filename) or (made is not None and _constructing(frame, made))
-    ):
-        frame = frame.f_back
+    frame = _frames.user_frame(frame, None if made is None else lambda at: _constructing(at, made))
     return (frame.f_code.co_filename, frame.f_lineno) if frame is not None else ("<unknown>", 0)
 
 
@@ -129,7 +126,7 @@ def frame_candidates(frame: FrameType | None) -> Iterator[torch.nn.Module]:
     sets (``self.models["g"]``), bounded by ``DEPTH``, ``PER_CONTAINER`` and ``BUDGET``."""
     level: list[Any] = []
     while frame is not None:
-        if not _warn.is_library(frame.f_code.co_filename):
+        if _frames.is_user(frame.f_code.co_filename):
             for namespace in (frame.f_locals, frame.f_globals):
                 level.extend(namespace.values())
         frame = frame.f_back

@@ -15,7 +15,6 @@ appends to a deque. Nothing ever waits for a GPU here.
 from __future__ import annotations
 
 import collections
-import os
 import sys
 import threading
 import weakref
@@ -24,11 +23,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autoddp import _frames
+
 PERIOD = 0.25  # seconds between two polls of the tokens
 #: Tokens kept at most: beyond, the oldest go (memory stays bounded even if a work object never
 #: says it completed; a rank that truly waits issues no more collectives, its oldest stays).
 MAX_TOKENS = 4096
-_LIBRARIES = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
 
 
 class Pending:
@@ -122,10 +122,8 @@ def _completed(token: Any) -> bool:
 
 
 def _caller() -> tuple[str, int, str] | None:
-    """The first frame outside torch and autoddp: where the user's code made the call."""
-    frame: Any = sys._getframe(3)
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
-        frame = frame.f_back
+    """The user's frame (``_frames``) that made the call, or None."""
+    frame = _frames.user_frame(sys._getframe(3))
     if frame is None:
         return None
     return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name

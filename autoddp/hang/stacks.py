@@ -2,8 +2,8 @@
 
 A worker that answers (``record.ANSWERS``) writes every thread's Python stack to its dump file
 when it receives ``record.DUMP_SIGNAL`` (see ``marks``); the stack that matters is its main
-thread's, where the user's code runs. Frames are the user's unless they lie in the standard
-library, in installed packages (torch among them) or in autoddp itself.
+thread's, where the user's code runs. Which frames are the user's, and how a file is named, is
+``autoddp._frames``'s one rule.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import sysconfig
 import time
 from collections.abc import Iterable
 
+from autoddp import _frames
 from autoddp.hang import record
 
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+)")
@@ -30,7 +30,7 @@ class Frame:
 
     @property
     def user(self) -> bool:
-        return _is_user(self.path)
+        return _frames.is_user(self.path)
 
     def shown(self) -> str:
         """``train.py:12 in step`` (the user's files by name, libraries from their package down)."""
@@ -39,7 +39,7 @@ class Frame:
 
 def where(path: str, line: int) -> str:
     """``file.py:12`` for the user's files; ``torch/nn/modules/module.py:12`` for a library's."""
-    return f"{_short(path)}:{line}"
+    return f"{_frames.short(path)}:{line}"
 
 
 def collect(folder: str, records: Iterable[record.Record]) -> dict[int, list[Frame]]:
@@ -107,7 +107,7 @@ def innermost_user(frames: list[Frame]) -> Frame | None:
 
 def _above_call_path(frames: list[Frame]) -> list[Frame]:
     for at, frame in enumerate(frames):
-        if os.path.realpath(frame.path) in _CALL_PATH:
+        if _frames.is_runner(frame.path):
             return frames[:at]
     return frames
 
@@ -131,37 +131,3 @@ def _is_our_child(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return fields[1] == str(os.getpid())  # the field after the state is the parent's pid
-
-
-#: autoddp's own folder (its frames are never the user's, also in an editable install).
-_AUTODDP = os.path.join(os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "")
-
-
-def _library_roots() -> tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    roots.add(os.path.dirname(os.__file__))
-    return (_AUTODDP, *sorted({os.path.join(os.path.realpath(r), "") for r in roots}, key=len, reverse=True))
-
-
-_LIBRARIES = _library_roots()
-#: The worker's call path: the user's code runs below these frames.
-_CALL_PATH = {os.path.join(_AUTODDP, name) for name in ("running.py", "_worker.py", "_script.py")}
-
-
-def _is_user(path: str) -> bool:
-    if path.startswith("<"):  # <frozen runpy>, <string>
-        return False
-    return not os.path.realpath(path).startswith(_LIBRARIES)
-
-
-def _short(path: str) -> str:
-    if _is_user(path):
-        return os.path.basename(path)
-    real = os.path.realpath(path)
-    if real.startswith(_AUTODDP):
-        return os.path.join("autoddp", real[len(_AUTODDP) :])
-    for root in _LIBRARIES:
-        if real.startswith(root):
-            return real[len(root) :]
-    return path

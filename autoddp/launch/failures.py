@@ -5,17 +5,13 @@ that waited in one: its hang record still says so)."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import signal
 import time
 from typing import Any
 
-from autoddp import _compat, _finished, transport
+from autoddp import _compat, _finished, _frames, transport
 from autoddp.errors import UnevenBatchesError, WorkerError
 from autoddp.hang import message, pending, record
-
-#: Frames of the command's script runner, below the script's own in a stack.
-_RUNNER = ("<frozen runpy>", os.path.join(os.path.dirname(_finished.__file__), "_script.py"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +208,7 @@ def _without_our_threads(stack: str) -> str:
         if pending.__file__ in block:
             continue
         lines = block.splitlines()
-        end = next((n for n, line in enumerate(lines) if any(m in line for m in _RUNNER)), len(lines))
+        end = next((n for n, line in enumerate(lines) if _frames.runner_line(line)), len(lines))
         kept.append("\n".join(lines[:end]))
     return "\n\n".join(kept)
 

@@ -1,0 +1,159 @@
+"""The one rule for "the user's frame": which code is autoddp's, a library's, the runner's, or the user's.
+
+Warnings point at the user's line, capture names the line that made a model or loader, the hang
+report shows the user's frames of each rank's stack, and tracebacks leave out the frames that only
+ran the user's code: all of them ask this module. A file is:
+
+- **autoddp's** when it lies in autoddp's own package folder (compared by real path, so an
+  editable or symlinked install counts too);
+- **a library's** when it is autoddp's, one of Python's frozen modules (``<frozen runpy>``), or
+  lies under the standard library, a site-packages folder, or torch's or wrapt's own folder;
+- **a runner's** (its frames are below the user's code, never part of it) for autoddp's call path
+  (``running.py``, ``_worker.py``, ``_script.py``) and ``runpy``;
+- **the user's** otherwise, code given as text (``<string>``, ``<stdin>``) included.
+
+This module imports nothing of autoddp (a leaf) and never imports torch or wrapt: it finds where
+they are installed without loading them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import re
+import site
+import sys
+import sysconfig
+import types
+from collections.abc import Callable
+
+#: autoddp's own package folder (real path, ending in a separator).
+AUTODDP = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(__file__))), "")
+#: autoddp's call path, named once: the user's code runs below these frames.
+CALL_PATH = ("running.py", "_worker.py", "_script.py")
+#: Libraries found by their own folder (also where they are not installed in site-packages).
+_PACKAGES = ("torch", "wrapt")
+
+_USER, _LIBRARY, _RUNNER = 0, 1, 2
+#: A frame's line in a traceback (``line 3, in f``) or a faulthandler dump (``line 3 in f``).
+_FILE_LINE = re.compile(r'^\s*File "(.*)", line \d+,? in ')
+
+
+def _package_folders() -> dict[str, str]:
+    """{real folder with a trailing separator: package name} for autoddp, torch and wrapt."""
+    folders = {AUTODDP: "autoddp"}
+    for name in _PACKAGES:
+        module = sys.modules.get(name)
+        try:
+            spec = module.__spec__ if module is not None else importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        for location in (spec.submodule_search_locations or []) if spec is not None else []:
+            folders[os.path.join(os.path.realpath(location), "")] = name
+    return folders
+
+
+def _library_roots() -> tuple[str, ...]:
+    """The standard library's and the site-packages folders (real paths), longest first."""
+    paths = sysconfig.get_paths()
+    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    roots.add(os.path.dirname(os.__file__))
+    roots.update(getattr(site, "getsitepackages", list)())
+    if site.ENABLE_USER_SITE:
+        roots.add(site.getusersitepackages())
+    real = {os.path.join(os.path.realpath(root), "") for root in roots}
+    real.discard(os.sep)  # (a root of "/" would make every file a library's)
+    return tuple(sorted(real, key=len, reverse=True))
+
+
+_FOLDERS = _package_folders()
+_ROOTS = _library_roots()
+_RUNNER_FILES = frozenset(
+    {os.path.join(AUTODDP, name) for name in CALL_PATH}
+    | {os.path.realpath(os.path.join(os.path.dirname(os.__file__), "runpy.py"))}
+)
+
+
+@functools.lru_cache(maxsize=4096)
+def _kind(path: str) -> int:
+    if path.startswith("<"):  # code without a file: Python's frozen modules, or text (<string>)
+        return _RUNNER if path == "<frozen runpy>" else _LIBRARY if path.startswith("<frozen ") else _USER
+    real = os.path.realpath(path)
+    if real in _RUNNER_FILES:
+        return _RUNNER
+    return _LIBRARY if real.startswith((*_FOLDERS, *_ROOTS)) else _USER
+
+
+def is_autoddp(path: str) -> bool:
+    """Whether ``path`` (a frame's file) is one of autoddp's own modules."""
+    return not path.startswith("<") and os.path.realpath(path).startswith(AUTODDP)
+
+
+def is_library(path: str) -> bool:
+    """Whether ``path`` is never the user's code: autoddp's, the standard library's or a package's."""
+    return _kind(path) != _USER
+
+
+def is_user(path: str) -> bool:
+    """Whether ``path`` is the user's own code (see the module docstring)."""
+    return _kind(path) == _USER
+
+
+def is_runner(path: str) -> bool:
+    """Whether frames of ``path`` only run the user's code (autoddp's call path, runpy)."""
+    return _kind(path) == _RUNNER
+
+
+def user_frame(
+    frame: types.FrameType | None, also: Callable[[types.FrameType], bool] | None = None
+) -> types.FrameType | None:
+    """The first frame from ``frame`` outwards that is the user's, or None.
+
+    ``also``: frames it is true for are passed as well (capture passes a model's own ``__init__``).
+    None where a runner's frame comes first: beyond it lies the worker's set-up, or in a forked
+    worker the stack of the process it was copied from, never this run's user code.
+    """
+    while frame is not None:
+        kind = _kind(frame.f_code.co_filename)
+        if kind == _RUNNER:
+            return None
+        if kind == _USER and not (also is not None and also(frame)):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def without_runners(tb: types.TracebackType | None, keep_last: bool = False) -> types.TracebackType | None:
+    """``tb`` without its leading runner frames, so that it begins at the user's code.
+
+    ``keep_last``: never drop the innermost frame (a failure of the runner itself keeps its line).
+    """
+    while tb is not None and is_runner(tb.tb_frame.f_code.co_filename):
+        if keep_last and tb.tb_next is None:
+            break
+        tb = tb.tb_next
+    return tb
+
+
+def runner_line(line: str) -> bool:
+    """Whether a line of a printed traceback or a faulthandler dump is a runner's frame."""
+    found = _FILE_LINE.match(line)
+    return found is not None and is_runner(found.group(1))
+
+
+def short(path: str) -> str:
+    """A frame's file as shown to the user: ``train.py`` for theirs, ``torch/nn/modules/module.py``
+    (from the package down) for a library's."""
+    if path.startswith("<"):
+        return path
+    if is_user(path):
+        return os.path.basename(path)
+    real = os.path.realpath(path)
+    for folder, name in _FOLDERS.items():
+        if real.startswith(folder):
+            return os.path.join(name, real[len(folder) :])
+    for root in _ROOTS:
+        if real.startswith(root):
+            return real[len(root) :]
+    return path
