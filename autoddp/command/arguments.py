@@ -42,9 +42,7 @@ def as_flags(message: str) -> str:
     from autoddp import options
 
     for flag in options.command_flags():
-        spelled = flag.flags[-1] if flag.flags[-1].startswith("--") else flag.flags[0]
-        spelled = next((f for f in flag.flags if f.startswith("--") and "_" not in f), spelled)
-        spelled = spelled.split("/")[0]
+        spelled = next(f for f in flag.flags if f.startswith("--") and "_" not in f).split("/")[0]
         message = re.sub(rf"\b{flag.name}=(?=[,\s]|$)", spelled, message)
         message = re.sub(rf"\b{flag.name}=", spelled + " ", message)
     return message
