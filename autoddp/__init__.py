@@ -1,9 +1,10 @@
 """autoddp: run a plain single-GPU PyTorch train function on every GPU with one decorator."""
 
-from autoddp._version import __version__ as __version__
-from autoddp.checkpoint import load, save
+from autoddp._prepare import prepare
+from autoddp.checkpoint.files import load, save
 from autoddp.console import print as print  # public, but kept out of __all__ (see below)
 from autoddp.console import progress
+from autoddp.data.gather import gather
 from autoddp.decorator import distributed
 from autoddp.errors import (
     AutoDDPError,
@@ -15,11 +16,11 @@ from autoddp.errors import (
     UnevenBatchesError,
     WorkerError,
 )
-from autoddp.gather import gather
 from autoddp.models import unwrap
-from autoddp.preparation import prepare
-from autoddp.rank0_control import rank0
+from autoddp.rank_zero.block import rank0
 from autoddp.world import barrier, device, is_main, local_rank, rank, world_size
+
+__version__ = "0.1.0"  # a literal: setup.cfg reads it without importing the package
 
 # autoddp.print is public but left out of __all__: `from autoddp import *` must not replace print.
 

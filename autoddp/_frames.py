@@ -31,7 +31,7 @@ from collections.abc import Callable
 #: autoddp's own package folder (real path, ending in a separator).
 AUTODDP = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(__file__))), "")
 #: autoddp's call path, named once: the user's code runs below these frames.
-CALL_PATH = ("running.py", "_worker.py", "_script.py")
+CALL_PATH = ("worker/running.py", "worker/process.py", "worker/script.py")
 #: Libraries found by their own folder (also where they are not installed in site-packages).
 _PACKAGES = ("torch", "wrapt")
 

@@ -86,7 +86,7 @@ def main(script: str | None, script_args: tuple[str, ...], **flags: Any) -> None
         master = f"{master_addr}:{master_port or 29500}"
     nproc, endpoint = flags["nproc"], flags["rdzv_endpoint"]
     if script == "env" and not flags["as_module"] and not os.path.exists("env"):
-        from autoddp import report
+        from autoddp.command import report
 
         try:
             asked = arguments.process_count(nproc) if nproc else None
@@ -145,7 +145,7 @@ def _options(flags: dict[str, Any], count: int, master: str | None) -> options.O
 
 
 def _runner_flags(settings: options.Options) -> list[str]:
-    """What the workers' script runner is told (``autoddp._script``): capture, the run's options."""
+    """What the workers' script runner is told (``autoddp.worker.script``): capture, the run's options."""
     run = dataclasses.asdict(dataclasses.replace(settings.run_options, capture=True))
     default = dataclasses.asdict(options.Options().run_options)
     return [

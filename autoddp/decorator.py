@@ -9,12 +9,14 @@ from typing import Any, TypeVar, overload
 
 import wrapt
 
-from autoddp import _warn, environment, hardware, process_group, streams
+from autoddp import _warn, environment
 from autoddp import options as options_list
+from autoddp._prepare import prepare
+from autoddp.environment import hardware
 from autoddp.errors import ConfigurationError
 from autoddp.options import Options
-from autoddp.preparation import prepare
-from autoddp.running import Job, run_in_world
+from autoddp.worker import process_group, streams
+from autoddp.worker.running import Job, run_in_world
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -16,14 +16,15 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from autoddp import hardware, models, process_group
+from autoddp import models
+from autoddp.environment import hardware
 from autoddp.errors import ConfigurationError
 from autoddp.hang import record as hang_record
 from autoddp.launch import output as launch_output
 from autoddp.launch import plan as launch_plan
 from autoddp.launch import start_method as launch_start
-from autoddp.models import ddp, fsdp
 from autoddp.state import RunOptions
+from autoddp.worker import process_group
 
 
 def option(default: Any, help: str, *flags: str, **click: Any) -> Any:
@@ -157,7 +158,6 @@ class Options:
                 f"unknown start_method {self.start_method!r}: use 'auto' (default), 'fork' or 'spawn'"
             )
         process_group.as_timeout(self.timeout)
-        ddp.check_keywords(self.ddp)
         if (
             isinstance(self.max_restarts, bool)
             or not isinstance(self.max_restarts, int)
@@ -166,21 +166,9 @@ class Options:
             raise ConfigurationError(
                 f"max_restarts={self.max_restarts!r} must be a whole number >= 0 (restarts after a failure)"
             )
-        models.strategy_named(self.strategy)
-        if self.strategy == "fsdp":
-            fsdp.fsdp_api()
-        elif self.fsdp_blocks or self.mixed_precision is not None or self.cpu_offload:
-            raise ConfigurationError(
-                "fsdp_blocks=, mixed_precision= and cpu_offload= are FSDP's options: add strategy='fsdp'"
-            )
-        fsdp.precision(self.mixed_precision)
-        if isinstance(self.fsdp_blocks, (str, type)) or not all(
-            isinstance(b, (str, type)) for b in self.fsdp_blocks
-        ):
-            raise ConfigurationError(
-                f"fsdp_blocks={self.fsdp_blocks!r}: give a tuple of module classes or class names, "
-                "e.g. fsdp_blocks=(TransformerBlock,) or fsdp_blocks=('TransformerBlock',)"
-            )
+        models.check_options(
+            self.strategy, self.ddp, self.fsdp_blocks, self.mixed_precision, self.cpu_offload
+        )
         if (
             isinstance(self.hang_report, bool)
             or not isinstance(self.hang_report, (int, float))

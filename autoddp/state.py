@@ -4,7 +4,7 @@
 process takes part in one: the world it joined, the run's options, the timeout its process
 group was given, the user's function being run, and the models wrapped for it (so that they can
 let go of their process group before it ends). ``CURRENT`` is the only instance; the
-process-group lifecycle (``autoddp.process_group.joined``) is the only code that enters and
+process-group lifecycle (``autoddp.worker.process_group.joined``) is the only code that enters and
 leaves a world. A leaf module: nothing here imports the rest of autoddp.
 """
 
@@ -79,14 +79,14 @@ class Run:
         #: Models wrapped in each joined world, innermost last (weakly: a model may go).
         self._wrapped: list[weakref.WeakKeyDictionary[Any, Releasing]] = []
 
-    def joined(
+    def entered(
         self,
         world: World,
         options: RunOptions | None = None,
         timeout: datetime.timedelta | None = None,
     ) -> contextlib.AbstractContextManager[World]:
         """Make ``world`` the current one for a ``with`` block (the previous one comes back after it)."""
-        return _Joined(self, world, options or RunOptions(), timeout)
+        return _InWorld(self, world, options or RunOptions(), timeout)
 
     def track(self, model: Any, strategy: Releasing) -> None:
         """Remember that ``strategy`` wrapped ``model`` in the innermost joined world."""
@@ -107,8 +107,8 @@ class Run:
         wrapped.clear()
 
 
-class _Joined:
-    """The context manager of ``Run.joined`` (a plain class: the one-process call path is hot)."""
+class _InWorld:
+    """The context manager of ``Run.entered`` (a plain class: the one-process call path is hot)."""
 
     __slots__ = ("_entered", "_previous", "_run")
 

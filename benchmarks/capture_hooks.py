@@ -26,8 +26,8 @@ from torch import nn
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler
 
 from autoddp.capture import Session
+from autoddp.data.samplers import ShardedSampler
 from autoddp.models import _routing
-from autoddp.samplers import ShardedSampler
 from autoddp.state import RunOptions, World
 
 

@@ -231,7 +231,7 @@ def group_of_one(device: torch.device) -> Iterator[None]:
 @contextlib.contextmanager
 def forced_world(device: torch.device, options: RunOptions) -> Iterator[None]:
     """autoddp's world says two processes (it wraps), its collectives run on the real group of one."""
-    with CURRENT.joined(forced(str(device)), options):
+    with CURRENT.entered(forced(str(device)), options):
         try:
             yield
         finally:

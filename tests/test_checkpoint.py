@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import autoddp
 from autoddp import WorkerError
-from autoddp.checkpoint import TEMPORARY_SUFFIX, load, save
+from autoddp.checkpoint.files import TEMPORARY_SUFFIX, load, save
 from autoddp.errors import Rank0Error
 
 

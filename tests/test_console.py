@@ -177,7 +177,7 @@ def test_progress_bar_is_tqdm_on_rank_0_only():
     from tqdm.auto import tqdm
 
     for rank, disabled in ((0, False), (1, True)):
-        with state.CURRENT.joined(state.World(rank=rank, world_size=2)):
+        with state.CURRENT.entered(state.World(rank=rank, world_size=2)):
             bar = console.progress(range(4), file=io.StringIO())
         assert isinstance(bar, tqdm)
         assert bar.disable is disabled
@@ -243,7 +243,7 @@ class _Recorder(io.StringIO):
 @pytest.mark.parametrize("rank", [0, 1])
 def test_in_a_world_each_message_is_one_flushed_write(rank):
     out = _Recorder()
-    with state.CURRENT.joined(state.World(rank=rank, world_size=2)):
+    with state.CURRENT.entered(state.World(rank=rank, world_size=2)):
         console.print("plain", 1, file=out)
         console.print("a\nb", "c", sep="+", end="", file=out, all_ranks=True)
         console.print(file=out, all_ranks=True)
@@ -253,7 +253,7 @@ def test_in_a_world_each_message_is_one_flushed_write(rank):
 
 
 def test_in_a_world_rank_0_prints_to_stdout_unprefixed(capsys):
-    with state.CURRENT.joined(state.World(rank=0, world_size=4)):
+    with state.CURRENT.entered(state.World(rank=0, world_size=4)):
         console.print("hello", "world")
     assert capsys.readouterr().out == "hello world\n"
 
@@ -267,14 +267,14 @@ def test_in_a_world_lines_end_at_newlines_only_and_any_writable_works():
             self.text += text
 
     out = WriteOnly()
-    with state.CURRENT.joined(state.World(rank=1, world_size=2)):
+    with state.CURRENT.entered(state.World(rank=1, world_size=2)):
         console.print("10%\r20%\x0cdone\n", file=out, all_ranks=True)
     assert out.text == "[rank 1] 10%\r20%\x0cdone\n[rank 1] \n"
 
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_in_a_world_bad_separators_fail_on_every_rank_as_in_the_builtin(rank):
-    with state.CURRENT.joined(state.World(rank=rank, world_size=2)):
+    with state.CURRENT.entered(state.World(rank=rank, world_size=2)):
         with pytest.raises(TypeError, match="sep must be None or a string, not int"):
             console.print("a", "b", sep=1)
         with pytest.raises(TypeError, match="end must be None or a string, not bytes"):

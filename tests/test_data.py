@@ -24,8 +24,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 import autoddp
 from autoddp import ConfigurationError
-from autoddp.data import shard_loader
-from autoddp.gather import gather
+from autoddp.data.gather import gather
+from autoddp.data.loaders import shard_loader
 from autoddp.state import World
 from autoddp.world import current
 

@@ -14,7 +14,8 @@ import uuid
 
 import pytest
 
-from autoddp import ConfigurationError, environment, hardware
+from autoddp import ConfigurationError, environment
+from autoddp.command.report import describe
 from autoddp.environment import (
     MPICH,
     PORT_BASE,
@@ -28,11 +29,11 @@ from autoddp.environment import (
     TorchElastic,
     detect,
     first_host,
+    hardware,
     shared_port,
     slurm_port,
 )
 from autoddp.environment._hostlist import hosts
-from autoddp.report import describe
 from conftest import LAUNCHER_NAMES, LAUNCHER_PREFIXES, run_python, write
 
 
@@ -589,7 +590,7 @@ def test_two_open_mpi_ranks_form_a_world_in_place(tmp_path):
 SINGLE_TASK = """
     import json, os
     import autoddp
-    from autoddp.report import describe
+    from autoddp.command.report import describe
 
     @autoddp.distributed(backend="gloo")  # one CPU process unless told otherwise, GPUs or not
     def alone():

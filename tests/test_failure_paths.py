@@ -240,7 +240,7 @@ class _Counted(IterableDataset):
 
 
 def test_a_dataset_holding_the_world_size_counts_as_sharding_itself():
-    from autoddp.data import shards_itself
+    from autoddp.data.loaders import shards_itself
 
     assert shards_itself(_Counted(2))
     assert not shards_itself(type("Plain", (IterableDataset,), {"__iter__": lambda self: iter(())})())

@@ -64,10 +64,10 @@ def test_an_editable_or_symlinked_install_is_still_autoddp(tmp_path):
     (tmp_path / "site").mkdir()
     link = tmp_path / "site" / "autoddp"
     link.symlink_to(PACKAGE, target_is_directory=True)
-    assert _frames.is_autoddp(str(link / "transport.py"))
-    assert _frames.is_runner(str(link / "running.py")) and _frames.short(str(link / "running.py")) == (
-        "autoddp/running.py"
-    )
+    assert _frames.is_autoddp(str(link / "worker" / "transport.py"))
+    assert _frames.is_runner(str(link / "worker" / "running.py")) and _frames.short(
+        str(link / "worker" / "running.py")
+    ) == ("autoddp/worker/running.py")
     # _frames itself imported through the link finds autoddp's real folder
     spec = importlib.util.spec_from_file_location("frames_through_a_link", link / "_frames.py")
     linked = importlib.util.module_from_spec(spec)
@@ -110,7 +110,7 @@ def test_the_users_frame_is_the_first_beyond_the_libraries_and_none_beyond_the_c
     assert passed.f_code.co_name == "run"  # ``also`` passes frames of the user's too
     # called by autoddp's call path directly (the user's ``outer`` never ran): no user frame, even
     # though this test's own frames (the user's) lie beyond the call path
-    runner = _stack(tmp_path, str(PACKAGE / "running.py"))
+    runner = _stack(tmp_path, str(PACKAGE / "worker" / "running.py"))
     assert runner["lib"]() is not None  # (this test itself is the user's code)
     assert runner["run"](lambda frame: frame.f_code.co_name == "outer") is None
 
@@ -130,7 +130,7 @@ def test_warnings_point_at_the_users_line(tmp_path):
 def test_tracebacks_lose_their_leading_runner_frames(tmp_path):
     space: dict = {}
     _code(str(tmp_path / "train.py"), "def train():\n    raise ValueError('bad')\n", space)
-    _code(str(PACKAGE / "running.py"), "def run(fn):\n    return fn()\n", space)
+    _code(str(PACKAGE / "worker" / "running.py"), "def run(fn):\n    return fn()\n", space)
     _code("<frozen runpy>", "def run_code(fn):\n    return run(fn)\n", space)
     try:
         space["run_code"](space["train"])
@@ -150,7 +150,7 @@ def test_tracebacks_lose_their_leading_runner_frames(tmp_path):
 
 
 def test_runner_lines_of_dumps_and_tracebacks():
-    running = PACKAGE / "running.py"
+    running = PACKAGE / "worker" / "running.py"
     assert _frames.runner_line(f'  File "{running}", line 120 in run_in_world')  # faulthandler
     assert _frames.runner_line(f'  File "{running}", line 120, in run_in_world')  # traceback
     assert _frames.runner_line('  File "<frozen runpy>", line 88 in _run_code')
@@ -197,7 +197,8 @@ def _offences(source: str, relative: str) -> list[str]:
 
 def _names_a_runner(value: object) -> bool:
     return isinstance(value, str) and (
-        os.path.basename(value) in _frames.CALL_PATH or value.startswith("<frozen")
+        os.path.basename(value) in {os.path.basename(name) for name in _frames.CALL_PATH}
+        or value.startswith("<frozen")
     )
 
 

@@ -19,10 +19,10 @@ import numpy
 import pytest
 import torch
 
-from autoddp import placement
 from autoddp.capture.devices import Devices
 from autoddp.errors import ConfigurationError
 from autoddp.state import World
+from autoddp.worker import placement
 from conftest import write
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -243,10 +243,10 @@ def _train_and_return(start: dict) -> tuple:
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_only_rank_0_copies_the_result_to_host_memory(tmp_path, monkeypatch, strategy):
-    import autoddp._worker
+    import autoddp.worker.process
 
-    recording = _recording_host_copies(autoddp._worker.portable, tmp_path)
-    monkeypatch.setattr(autoddp._worker, "portable", recording)
+    recording = _recording_host_copies(autoddp.worker.process.portable, tmp_path)
+    monkeypatch.setattr(autoddp.worker.process, "portable", recording)
     torch.manual_seed(0)
     start = Net().state_dict()
     model, extra = autoddp.distributed(nproc=2, strategy=strategy)(_train_and_return)(start)

@@ -19,8 +19,8 @@ from torch.distributed import constants
 
 from autoddp.launch.diagnostics import nccl_variables
 from autoddp.launch.side_gloo import side_gloo_variables
-from autoddp.process_group import Backend, group_arguments
 from autoddp.state import World
+from autoddp.worker.process_group import Backend, group_arguments
 from conftest import run_python, write
 
 GPUS = Backend("cpu:gloo,cuda:nccl", use_cuda=True)

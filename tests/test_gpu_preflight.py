@@ -18,7 +18,8 @@ import sys
 
 import pytest
 
-from autoddp import environment, preflight
+from autoddp import environment
+from autoddp.environment import preflight
 from autoddp.errors import ConfigurationError
 from conftest import write
 

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from autoddp import ConfigurationError, network
-from autoddp.environment import mpi
+from autoddp import ConfigurationError
+from autoddp.environment import mpi, network
 from conftest import run_python
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's interface tables")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import autoddp
 from autoddp.errors import CollectiveInRank0Error, ConfigurationError, Rank0Error
-from autoddp.rank0_control import rank0
+from autoddp.rank_zero.block import rank0
 from conftest import run_python, write
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -280,7 +280,7 @@ def test_module_level_block_in_a_script_run_once_per_rank(tmp_path):
         import sys
         import torch.distributed as dist
         import autoddp
-        from autoddp.rank0_control import rank0
+        from autoddp.rank_zero.block import rank0
 
         dist.init_process_group("gloo")
         with rank0():
@@ -302,7 +302,7 @@ COVERAGE_SCRIPT = """
     import os, sys
     import torch.distributed as dist
     import autoddp
-    from autoddp.rank0_control import rank0
+    from autoddp.rank_zero.block import rank0
 
 
     def helper(rank):
@@ -405,7 +405,7 @@ def test_skip_mechanics_on_other_pythons(python):
 def test_skip_mechanics_under_coverage(tmp_path, core):
     pytest.importorskip("coverage")
     script = os.path.join(HERE, "skip_mechanics.py")
-    # 3.12.1 + coverage (ctrace, pytrace) crashes on a skip in a thread: documented in autoddp/_skip.py.
+    # 3.12.1 + coverage (ctrace, pytrace) crashes on a skip in a thread: see autoddp/rank_zero/skip.py.
     firsts = ("one-line", "empty") if sys.version_info[:2] == (3, 12) else ("one-line", "empty", "thread")
     for first in firsts:
         proc = subprocess.run(

@@ -1,16 +1,19 @@
-"""The package's shape: no import cycle, small modules, the public API as documented."""
+"""The package's shape: the layers ARCHITECTURE.md draws, no import cycle, small modules, few modules
+at the root, the public API as documented."""
 
 from __future__ import annotations
 
 import ast
 import json
 import pathlib
+import re
 
 import autoddp
 from conftest import run_python
 
 PACKAGE = pathlib.Path(autoddp.__file__).resolve().parent
 MAX_LINES = 400
+MAX_ROOT_MODULES = 15
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -66,6 +69,83 @@ def test_the_import_graph_has_no_cycle():
     assert "autoddp" not in set().union(*(graph[n] for n in graph if n != "autoddp")), (
         "a submodule imports the package itself"
     )
+
+
+def _layers() -> list[tuple[str, list[str]]]:
+    """ARCHITECTURE.md's layer table: (layer, the module names in its Modules column), in row order."""
+    text = (PACKAGE.parent / "ARCHITECTURE.md").read_text()
+    table = text[text.index("| Layer | Modules | Holds |") :].split("\n\n", 1)[0]
+    rows = [line.split("|")[1:3] for line in table.splitlines()[2:]]
+    return [
+        (layer.strip(), [n for n in re.findall(r"`([^`]+)`", names) if n != "__init__"])
+        for layer, names in rows
+    ]
+
+
+def _layer_of_each_module() -> dict[str, int]:
+    """Each module's layer (0 for the first row): named exactly, else through the nearest folder
+    named with a ``/``; every module in exactly one row."""
+    modules = _modules()
+    exact: dict[str, int] = {}
+    folders: dict[str, int] = {}
+    for index, (_layer, names) in enumerate(_layers()):
+        for name in names:
+            full = "autoddp" if name == "autoddp" else "autoddp." + name.rstrip("/")
+            target = folders if name.endswith("/") else exact
+            assert full not in target, f"{name} is in two rows of the layer table"
+            assert full in modules, f"the layer table names {name}, which is not a module"
+            target[full] = index
+    found = {}
+    for name in modules:
+        if name in exact:
+            found[name] = exact[name]
+            continue
+        parents = [f for f in folders if name == f or name.startswith(f + ".")]
+        assert parents, f"{name} is in no row of ARCHITECTURE.md's layer table"
+        found[name] = folders[max(parents, key=len)]
+    return found
+
+
+def test_no_import_runs_back_up_a_layer():
+    """Rows of the layer table are in dependency order: a module imports from its own row or
+    those above it (the table's first row is the bottom layer, the leaves)."""
+    modules = _modules()
+    layer = _layer_of_each_module()
+    names = [row for row, _ in _layers()]
+    upward = sorted(
+        f"{name} ({names[layer[name]]}) imports {target} ({names[layer[target]]})"
+        for name, path in modules.items()
+        for target in _imports(path, modules) - {name}
+        if layer[target] > layer[name]
+    )
+    assert upward == []
+
+
+def test_the_layer_table_is_checked():
+    """The table read here is the one on the page (a module moved a row is caught)."""
+    layers = dict(_layers())
+    assert "errors" in layers["leaves"] and "launch/" in layers["launching"]
+    assert layers["front doors"][-1] == "autoddp" and "worker" in layers["leaves"]
+    layer = _layer_of_each_module()
+    assert layer["autoddp.launch.local"] == [row for row, _ in _layers()].index("launching")
+    assert layer["autoddp.capture.passes"] == [row for row, _ in _layers()].index("in a world")
+
+
+def test_few_modules_at_the_root_and_strategies_behind_their_seam():
+    root = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(root) <= MAX_ROOT_MODULES, root
+    modules = _modules()
+    strategies = {
+        "autoddp.models." + n
+        for n in ("ddp", "fsdp", "_routing", "_averaging", "_reads", "_start", "_fsdp_state")
+    }
+    reached = sorted(
+        f"{name} imports {target}"
+        for name, path in modules.items()
+        if not name.startswith("autoddp.models")
+        for target in _imports(path, modules) & strategies
+    )
+    assert reached == [], "strategy-specific code is reached through autoddp.models only"
 
 
 def test_every_module_imports_first_in_a_fresh_interpreter():

@@ -133,8 +133,8 @@ def test_master_port_start_method_and_the_lines_that_stop_a_run(tmp_path):
         holder.close()
     seen = _seen(runs[0])
     assert {r["env"]["MASTER_PORT"] for r in seen.values()} == {str(port)}  # a port opened in a firewall
-    assert all("autoddp._script" in r["argv"] for r in _seen(runs[1]).values())  # fresh interpreters
-    assert all("autoddp._script" not in r["argv"] for r in seen.values())  # forked by default
+    assert all("autoddp.worker.script" in r["argv"] for r in _seen(runs[1]).values())  # fresh interpreters
+    assert all("autoddp.worker.script" not in r["argv"] for r in seen.values())  # forked by default
     lines_say = [f"--master-port {taken}: port {taken} .* cannot be used", "192.0.2.1", "/proc"]
     for done, says in zip(runs[2:], lines_say, strict=True):
         lines = done.stderr.strip().splitlines()
@@ -209,8 +209,8 @@ def test_env_describes_what_the_command_would_do_here(monkeypatch):
 
 
 def test_pet_variables_nproc_keywords_and_rdzv_endpoint_as_torchrun(tmp_path, monkeypatch):
-    from autoddp import hardware
     from autoddp.command import arguments
+    from autoddp.environment import hardware
 
     script = str(write(tmp_path / "env.py", SCRIPT))
     port = _free_port()

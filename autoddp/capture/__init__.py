@@ -42,7 +42,6 @@ from autoddp.capture._undistributed import Undistributed, caller_site, candidate
 from autoddp.capture.passes import Passes
 from autoddp.capture.saves import Saves, opened_path
 from autoddp.errors import ConfigurationError
-from autoddp.models import optimizers as model_optimizers
 from autoddp.state import CURRENT, RunOptions, World
 
 _LOADER_SEED = "autoddp/capture/loader-seed/"
@@ -164,7 +163,7 @@ class Session:
                 original(optimizer, params, *args, **kwargs)
             finally:
                 self._constructing.discard(id(optimizer))
-            model_optimizers.bind(optimizer)  # over sharded parameters: full state loads into shards
+            models.bind_optimizer(optimizer)  # over sharded parameters: full state loads into shards
             models.guard_optimizer(optimizer)  # steps DDP did not see still get averaged gradients
 
         return __init__
@@ -175,7 +174,7 @@ class Session:
                 original(optimizer, param_group)
                 return
             original(optimizer, self._distribute_models([param_group])[0])  # a head added later
-            model_optimizers.bind(optimizer)
+            models.bind_optimizer(optimizer)
             models.guard_optimizer(optimizer)
 
         return add_param_group
@@ -282,7 +281,7 @@ class Session:
                 line = f"DataLoader ({where(site)}): left whole: {loaders.REASONS[kind]}"
                 self.notice.say(("loader", id(loader)), line, captured=False)
             return
-        from autoddp.data import shard_loader, user_seed
+        from autoddp.data.loaders import shard_loader, user_seed
 
         with self._own_work():
             world = self.world()
@@ -327,7 +326,7 @@ class Session:
             with self._own_work():
                 self.world()
                 assert self.saves is not None and self.notice is not None
-                obj = model_optimizers.full_tensors(obj)  # sharded (FSDP) state: gathered whole
+                obj = models.full_tensors(obj)  # sharded (FSDP) state: gathered whole
                 what = self.saves.save(original, obj, path, args, kwargs, opened=None if path is f else f)
             path = os.fspath(path)
             self.notice.say(("save", os.path.abspath(path)), f"torch.save({path!r}): {what}")

@@ -26,11 +26,12 @@ from typing import Any
 
 import torch
 
-from autoddp import _compat, _patches, placement
+from autoddp import _compat, _patches
 from autoddp.capture._notice import Notice, where
 from autoddp.capture._registry import user_site
 from autoddp.errors import ConfigurationError
 from autoddp.state import World
+from autoddp.worker import placement
 
 
 class Devices:

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
 
 from autoddp import _compat
-from autoddp.data import distributed_sampler, wrapped_batches
+from autoddp.data.loaders import distributed_sampler, wrapped_batches
 
 
 def kind(loader: DataLoader) -> str:

@@ -22,10 +22,11 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from autoddp import _compat, transport
+from autoddp import _compat
 from autoddp.capture._notice import where
 from autoddp.capture._registry import user_site
-from autoddp.models._routing import cached_subclass
+from autoddp.models._class_swap import cached_subclass
+from autoddp.worker import transport
 
 _ENTRY = "_autoddp_passes"
 _FOLDER = "AUTODDP_RUN_FOLDER"

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from autoddp import _compat, _warn
-from autoddp.checkpoint import atomic_write
+from autoddp.checkpoint.files import atomic_write
 from autoddp.hang import record
 from autoddp.hang.marks import MARKS
 

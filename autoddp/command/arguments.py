@@ -16,8 +16,8 @@ from typing import Any, NoReturn
 
 import click
 
-from autoddp import hardware
 from autoddp.command import torchrun_flags
+from autoddp.environment import hardware
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

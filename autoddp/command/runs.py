@@ -11,7 +11,7 @@ import signal
 
 import click
 
-from autoddp import environment, transport
+from autoddp import environment
 from autoddp.command.arguments import fail
 from autoddp.errors import ConfigurationError, WorkerError
 from autoddp.hang import record as hang_record
@@ -19,6 +19,7 @@ from autoddp.launch import in_place, local, nodes
 from autoddp.launch import output as launch_output
 from autoddp.launch import plan as launch_plan
 from autoddp.launch.contract import DEFAULT_ROLE
+from autoddp.worker import transport
 
 
 def run_nodes(
@@ -40,7 +41,7 @@ def run_nodes(
             nodes.run_agent(
                 plan,
                 nproc,
-                ["-m", "autoddp._script", *argv],
+                ["-m", "autoddp.worker.script", *argv],
                 folder=folder,
                 output=output,
                 max_restarts=max_restarts,

@@ -13,7 +13,7 @@ import zlib
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
-from autoddp import hardware
+from autoddp.environment import hardware
 from autoddp.errors import ConfigurationError
 from autoddp.state import World
 

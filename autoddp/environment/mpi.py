@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from typing import ClassVar
 
-from autoddp import hardware
+from autoddp.environment import hardware
 from autoddp.environment._arbitration import other_world_size, stale_rank_note
 from autoddp.environment._base import (
     LOOPBACK,

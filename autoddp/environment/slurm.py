@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from autoddp import hardware
+from autoddp.environment import hardware
 from autoddp.environment._arbitration import (
     describes_other_world,
     launcher_worlds,

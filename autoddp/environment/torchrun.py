@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from autoddp import hardware
+from autoddp.environment import hardware
 from autoddp.environment._arbitration import launcher_worlds
 from autoddp.environment._base import Environment, read_int, read_port, show
 from autoddp.errors import ConfigurationError

@@ -21,7 +21,7 @@ import threading
 
 from autoddp._compat import DDP_BUFFER_BROADCAST
 from autoddp._leftovers import private_folder
-from autoddp._refusals import COLLECTIVES
+from autoddp.rank_zero.refusals import COLLECTIVES
 
 #: The workers' environment variable naming the folder of the records (set by the launcher).
 FOLDER_VARIABLE = "AUTODDP_HANG_FOLDER"

@@ -11,8 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from autoddp import hardware
-from autoddp.environment import LOOPBACK
+from autoddp.environment import LOOPBACK, hardware
 from autoddp.launch import diagnostics
 from autoddp.launch.side_gloo import side_gloo_variables
 

@@ -9,9 +9,11 @@ import signal
 import time
 from typing import Any
 
-from autoddp import _compat, _finished, _frames, transport
+from autoddp import _compat, _frames
 from autoddp.errors import UnevenBatchesError, WorkerError
 from autoddp.hang import message, pending, record
+from autoddp.worker import transport
+from autoddp.worker.finished import finished_ranks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +59,7 @@ def agent_failure(error: Any, nproc: int, folder: str, world_size: int, records:
     failures = error.failures
     rank, failure = error.get_first_failure()
     first_rank = rank - failure.local_rank
-    said = _finished.finished_ranks(folder)
+    said = finished_ranks(folder)
     codes: dict[int, int | None] = {
         r: (0 if r in said else -signal.SIGTERM) for r in range(first_rank, first_rank + nproc)
     }
@@ -112,7 +114,7 @@ def root_cause(ended: Ended, folder: str, world_size: int, records: str = "") ->
     if report is not None and report.is_timeout and hasattr(lead, "add_note"):
         _explain_timeout(lead, folder, codes, reports)
     if report is not None and (report.is_consequence or report.is_timeout):
-        _explain_finished(lead, lead_rank, codes, reports, _finished.finished_ranks(folder))
+        _explain_finished(lead, lead_rank, codes, reports, finished_ranks(folder))
         return _uneven_batches(lead, folder, world_size)
     return lead
 

@@ -1,10 +1,10 @@
 """The ``autoddp`` command inside a launched world (srun, mpirun, torchrun): the script runs in place.
 
-No second layer of workers: this process becomes the script (``python -m autoddp._script``),
+No second layer of workers: this process becomes the script (``python -m autoddp.worker.script``),
 with torchrun's variables set from the world the launcher describes, so a torchrun-style script
 (``dist.init_process_group("gloo")``, which reads ``env://``) runs unchanged under ``srun`` and
 ``mpirun``, which set none of them. In a world that spans machines the network interface that
-reaches rank 0 is named too (``autoddp.network``), unless the user named one.
+reaches rank 0 is named too (``autoddp.environment.network``), unless the user named one.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 from collections.abc import Mapping
 from typing import NoReturn
 
-from autoddp import network
+from autoddp.environment import network
 from autoddp.launch.output import say
 from autoddp.state import World
 
@@ -42,8 +42,8 @@ def script_environment(world: World, environ: Mapping[str, str]) -> dict[str, st
 
 
 def exec_script(argv: list[str], world: World) -> NoReturn:
-    """Become ``python -m autoddp._script ARGV`` in ``world`` (never returns)."""
+    """Become ``python -m autoddp.worker.script ARGV`` in ``world`` (never returns)."""
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    command = [sys.executable, "-m", "autoddp._script", *argv]
+    command = [sys.executable, "-m", "autoddp.worker.script", *argv]
     os.execve(sys.executable, command, script_environment(world, os.environ))

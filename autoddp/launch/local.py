@@ -14,8 +14,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from autoddp import _warn, _worker, preflight, transport
-from autoddp.environment import LOOPBACK
+from autoddp import _warn
+from autoddp.environment import LOOPBACK, preflight
 from autoddp.errors import ConfigurationError, SerializationError
 from autoddp.hang import record as hang_record
 from autoddp.hang.watch import Watch
@@ -26,7 +26,8 @@ from autoddp.launch.output import Output, announce_exit, one_line, say, show_hid
 from autoddp.launch.start_method import choose_start_method, preload_for_forked_workers
 from autoddp.launch.store import loopback_store
 from autoddp.launch.supervise import POLL_SECONDS, acting_on_signals, supervise
-from autoddp.running import Job
+from autoddp.worker import process, transport
+from autoddp.worker.running import Job
 
 #: For one attempt's run folder: the entry point and each local rank's arguments.
 Workers = Callable[[str], tuple[Any, dict[int, tuple]]]
@@ -61,13 +62,13 @@ def launch_function(
 
         def workers(folder: str) -> tuple[Any, dict[int, tuple]]:
             transport.save_job(folder, payload)
-            return sys.executable, {r: ("-m", "autoddp._worker_main", folder) for r in range(nproc)}
+            return sys.executable, {r: ("-m", "autoddp.worker", folder) for r in range(nproc)}
 
     else:
         preload_for_forked_workers(job.args, job.kwargs, job.options.capture)
 
         def workers(folder: str) -> tuple[Any, dict[int, tuple]]:
-            return _worker.run_forked, {r: (job, folder) for r in range(nproc)}
+            return process.run_job_forked, {r: (job, folder) for r in range(nproc)}
 
     contract = Contract(nproc, max_restarts=max_restarts)
     with acting_on_signals():
@@ -86,7 +87,7 @@ def launch_script(
     role: str = DEFAULT_ROLE,
     store: tuple[str, int | None] = (LOOPBACK, None),
 ) -> None:
-    """Run a script (as ``python -m autoddp._script ARGV`` would) in ``nproc`` workers.
+    """Run a script (as ``python -m autoddp.worker.script ARGV`` would) in ``nproc`` workers.
 
     The ``autoddp`` command's single-node engine: the same supervision, loopback store,
     restarts and hang report as the decorator. Workers are forked from this process, which has imported torch
@@ -97,17 +98,18 @@ def launch_script(
     """
     method, _ = choose_start_method(start_method, None)
     if method == "fork":
-        from autoddp import _script  # (not at the top: `python -m autoddp._script` must find it new)
+        # (not at the top: `python -m autoddp.worker.script` must find it new)
+        from autoddp.worker.script import run_script_forked
 
         preload_for_forked_workers((), {}, capture=True)
 
         def workers(folder: str) -> tuple[Any, dict[int, tuple]]:
-            return _script.run_forked, {r: (list(argv),) for r in range(nproc)}
+            return run_script_forked, {r: (list(argv),) for r in range(nproc)}
 
     else:
 
         def workers(folder: str) -> tuple[Any, dict[int, tuple]]:
-            return sys.executable, {r: ("-m", "autoddp._script", *argv) for r in range(nproc)}
+            return sys.executable, {r: ("-m", "autoddp.worker.script", *argv) for r in range(nproc)}
 
     contract = Contract(nproc, role, max_restarts, store[0])
     with acting_on_signals():

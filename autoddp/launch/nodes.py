@@ -15,8 +15,8 @@ import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from autoddp import hardware, network, transport
 from autoddp._leftovers import private_folder
+from autoddp.environment import hardware, network
 from autoddp.hang import record as hang_record
 from autoddp.hang.combine import Exchange
 from autoddp.hang.watch import Watch
@@ -31,7 +31,8 @@ from autoddp.launch.supervise import (
     caller_signal_handlers_kept,
     elastic_logs_quiet,
 )
-from autoddp.running import Job
+from autoddp.worker import transport
+from autoddp.worker.running import Job
 
 
 def run_agent(
@@ -49,7 +50,7 @@ def run_agent(
     """Run ``python ARGS`` in ``nproc`` workers on this node as part of a multi-node world.
 
     The workers reach the other machines through the interface that routes to node 0 (unless
-    the user named one, see ``autoddp.network``); one start-up line says which. Their output is
+    the user named one, see ``autoddp.environment.network``); one start-up line says which. Their output is
     routed as on one machine (``output``: ``ranks`` are this node's local ranks, ``[rank N]``
     names the global rank, ``log_dir`` keeps every rank's files, by global rank). Errors are
     reported into the run folder ``folder``. This node's ranks are watched for the hang report
@@ -190,7 +191,7 @@ def launch_nodes(
                 run_agent(
                     plan,
                     nproc,
-                    ["-m", "autoddp._worker_main", folder],
+                    ["-m", "autoddp.worker", folder],
                     folder=folder,
                     output=output,
                     max_restarts=max_restarts,

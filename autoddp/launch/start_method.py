@@ -9,9 +9,10 @@ import warnings
 
 import torch
 
-from autoddp import _compat, hardware
+from autoddp import _compat
+from autoddp.environment import hardware
 from autoddp.errors import ConfigurationError
-from autoddp.process_group import Backend
+from autoddp.worker.process_group import Backend
 
 START_METHODS = ("auto", "fork", "spawn")
 

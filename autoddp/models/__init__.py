@@ -7,15 +7,15 @@ behaviour for models nobody wrapped.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from autoddp import _compat
 from autoddp.errors import ConfigurationError
-from autoddp.models.ddp import DDP
-from autoddp.models.fsdp import FSDP
+from autoddp.models import _fsdp_state
+from autoddp.models.ddp import DDP, check_keywords
+from autoddp.models.fsdp import FSDP, fsdp_api, precision
 from autoddp.models.strategy import PLAIN, Strategy
 from autoddp.state import RunOptions, World
 
@@ -31,6 +31,24 @@ def strategy_named(name: str) -> Strategy:
         raise ConfigurationError(
             f"unknown strategy {name!r}: use one of {', '.join(map(repr, STRATEGIES))}"
         ) from None
+
+
+def check_options(strategy: str, ddp: Any, fsdp_blocks: Any, mixed_precision: Any, cpu_offload: Any) -> None:
+    """A run's strategy options, checked before anything runs: ConfigurationError naming the fix."""
+    check_keywords(ddp)
+    strategy_named(strategy)
+    if strategy == "fsdp":
+        fsdp_api()
+    elif fsdp_blocks or mixed_precision is not None or cpu_offload:
+        raise ConfigurationError(
+            "fsdp_blocks=, mixed_precision= and cpu_offload= are FSDP's options: add strategy='fsdp'"
+        )
+    precision(mixed_precision)
+    if isinstance(fsdp_blocks, (str, type)) or not all(isinstance(b, (str, type)) for b in fsdp_blocks):
+        raise ConfigurationError(
+            f"fsdp_blocks={fsdp_blocks!r}: give a tuple of module classes or class names, "
+            "e.g. fsdp_blocks=(TransformerBlock,) or fsdp_blocks=('TransformerBlock',)"
+        )
 
 
 def strategy_of(model: Any) -> Strategy:
@@ -74,12 +92,6 @@ def state_dict(model: torch.nn.Module) -> dict[str, Any]:
     return strategy_of(model).state_dict(model)
 
 
-def load_state_dict(model: torch.nn.Module, state: Mapping[str, Any], strict: bool = True) -> Any:
-    """Load a full, plain state dict into ``model``, whatever wrapped it."""
-    model = unwrap(model)
-    return strategy_of(model).load_state_dict(model, state, strict=strict)
-
-
 def portable(model: torch.nn.Module, keep: bool = True) -> torch.nn.Module:
     """``model`` plain on the CPU, fit to travel to another process (every rank calls it).
 
@@ -100,6 +112,30 @@ def release(model: torch.nn.Module) -> None:
     """Undo what autoddp's strategy did to ``model`` (it is the user's plain module again)."""
     model = unwrap(model)
     strategy_of(model).release(model)
+
+
+def bind_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Have an optimizer over sharded (FSDP) parameters load full state into its shards (idempotent;
+    any other optimizer is left as it is)."""
+    return _fsdp_state.bind(optimizer)
+
+
+def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer``'s state as one process would hold it (full tensors; a collective when sharded)."""
+    return _fsdp_state.state_dict(optimizer)
+
+
+def full_tensors(obj: Any, to_host: bool = True) -> Any:
+    """``obj`` with every sharded tensor in it gathered whole on the CPU (every rank calls it).
+
+    ``to_host=False``: gathered only for the collective's sake, left on the device.
+    """
+    return _fsdp_state.full_tensors(obj, to_host)
+
+
+def sharded_model_of(optimizer: torch.optim.Optimizer) -> torch.nn.Module | None:
+    """The sharded model whose parameters ``optimizer`` trains, among those wrapped in this run."""
+    return _fsdp_state.model_of(optimizer)
 
 
 def guard_optimizer(optimizer: torch.optim.Optimizer) -> None:

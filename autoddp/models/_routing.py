@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import copyreg
 import functools
 import threading
 import types
@@ -29,6 +28,7 @@ from typing import Any, Protocol
 import torch
 
 from autoddp import _warn
+from autoddp.models import _class_swap
 
 #: Where the DDP and its replica live in the module's ``__dict__``.
 DDP_ATTR = "_autoddp_ddp"
@@ -67,7 +67,7 @@ _ROUTING = _Routing()
 
 
 def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    plain = type(self)._autoddp_plain_class
+    plain = getattr(type(self), _class_swap.PLAIN_CLASS)
     replica = self.__dict__.get(REPLICA_ATTR)
     if replica is None or _ROUTING.inside or not torch.is_grad_enabled():
         return plain.__call__(self, *args, **kwargs)
@@ -96,20 +96,6 @@ def _no_sync(self: torch.nn.Module) -> contextlib.AbstractContextManager:
     replica = self.__dict__.get(REPLICA_ATTR)
     ddp = replica.for_call(self) if replica is not None else None
     return ddp.no_sync() if ddp is not None else contextlib.nullcontext()
-
-
-def _reduce_ex(self: torch.nn.Module, protocol: int) -> tuple:
-    """Pickle as the plain class: rebuilt by the standard library's ``copyreg._reconstructor``
-    (``object.__new__(cls)``, then the class's own ``__setstate__``), so the pickle names nothing
-    of autoddp and loads with plain torch where autoddp is not installed; ``copy.deepcopy`` too."""
-    plain = type(self)._autoddp_plain_class
-    getstate = getattr(plain, "__getstate__", None)
-    state = getstate(self) if getstate is not None and getstate is not object.__getstate__ else None
-    if state is None:
-        state = self.__dict__
-    if isinstance(state, dict):
-        state = {key: value for key, value in state.items() if key not in _PRIVATE}
-    return (copyreg._reconstructor, (plain, object, None), state)
 
 
 def _watched(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
@@ -161,57 +147,20 @@ def swapped_class(cls: type, strategy: Any) -> type:
     """A subclass of ``cls`` with the same name whose calls go through the instance's DDP."""
     namespace: dict[str, Any] = {
         "__call__": _call,
-        "__reduce_ex__": _reduce_ex,
+        "__reduce_ex__": _class_swap.plain_reduce,
         "no_sync": _no_sync,
-        "_autoddp_plain_class": cls,
+        _class_swap.PLAIN_CLASS: cls,
         "_autoddp_strategy": strategy,
     }
     for name, method in _user_methods(cls):
         namespace[name] = _watched(name, method)
-    return cached_subclass(cls, namespace)
-
-
-def _call_inner(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return self._orig_mod(*args, **kwargs)
-
-
-_SUBCLASSES: dict[tuple[type, tuple[tuple[str, Any], ...]], type] = {}
-
-
-def cached_subclass(cls: type, extra: dict[str, Any]) -> type:
-    """A subclass of ``cls`` with the same name and qualified name and ``extra`` in it, made once."""
-    key = (cls, tuple(sorted(extra.items())))
-    found = _SUBCLASSES.get(key)
-    if found is None:
-        namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
-        namespace.update(extra)
-        found = _SUBCLASSES[key] = types.new_class(
-            cls.__name__, (cls,), exec_body=lambda ns: ns.update(namespace)
-        )
-    return found
-
-
-def swap_class(module: torch.nn.Module, cls: type) -> None:
-    """Give ``module`` the class ``cls`` (a subclass of its own, from ``cached_subclass``)."""
-    module.__class__ = cls
-
-
-def redirect_compiled(compiled: torch.nn.Module) -> None:
-    """Have calls of a ``torch.compile`` result go to its (wrapped, compiled-in-place) module.
-
-    Its own ``forward`` was bound to the module's original ``__call__`` when it was made, which
-    would bypass the swapped class; code that kept the compiled object calls through it.
-    """
-    if "_autoddp_plain_class" not in type(compiled).__dict__:
-        cls = type(compiled)
-        extra = {"__call__": _call_inner, "__reduce_ex__": _reduce_ex, "_autoddp_plain_class": cls}
-        compiled.__class__ = cached_subclass(cls, extra)
+    return _class_swap.cached_subclass(cls, namespace)
 
 
 def swap(module: torch.nn.Module, strategy: Any) -> None:
     """Give ``module`` its swapped class (idempotent; a watched submodule becomes a root)."""
     _unwatch(module)
-    if "_autoddp_plain_class" not in type(module).__dict__:
+    if _class_swap.PLAIN_CLASS not in type(module).__dict__:
         module.__class__ = swapped_class(type(module), strategy)
 
 
@@ -221,7 +170,7 @@ def unswap(module: torch.nn.Module) -> None:
         _unwatch(sub)
     for name in _PRIVATE:
         module.__dict__.pop(name, None)
-    plain = type(module).__dict__.get("_autoddp_plain_class")
+    plain = type(module).__dict__.get(_class_swap.PLAIN_CLASS)
     if plain is not None:
         module.__class__ = plain
 
@@ -283,7 +232,7 @@ def watch(root: torch.nn.Module, replica: Replica) -> None:
     Those that own none need no watcher: calling one (``model.encoder``) calls the ones that do.
     """
     for sub in root.modules():
-        if sub is root or "_autoddp_plain_class" in type(sub).__dict__:
+        if sub is root or _class_swap.PLAIN_CLASS in type(sub).__dict__:
             continue  # a root of its own
         watcher = _watcher(sub)
         if watcher is not None:

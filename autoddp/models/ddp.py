@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 
-from autoddp import _compat, _warn, placement
+from autoddp import _compat, _warn
 from autoddp.errors import ConfigurationError
-from autoddp.models import _routing
+from autoddp.models import _class_swap, _routing
 from autoddp.models.strategy import Strategy
 from autoddp.state import CURRENT, RunOptions, World
+from autoddp.worker import placement
 
 #: BatchNorm layers (torch's public classes) whose statistics stay per process without sync_batchnorm.
 _BATCHNORMS = (
@@ -182,7 +183,7 @@ def _materialize(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     module.eval()
     try:
         with torch.no_grad():
-            type(module)._autoddp_plain_class.__call__(module, *args, **kwargs)
+            getattr(type(module), _class_swap.PLAIN_CLASS).__call__(module, *args, **kwargs)
     finally:
         module.train(training)
 
@@ -226,7 +227,7 @@ def wrap_model(
     if compiled is not None:  # torch.compile(model): wrap the real module, keep its compilation
         inner, dynamo_ctx = compiled
         _compat.compile_in_place(inner, dynamo_ctx)
-        _routing.redirect_compiled(module)
+        _class_swap.redirect_compiled(module)
         module = inner
     distributed = world.world_size > 1
     if distributed and sync_batchnorm:

@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
-from autoddp import _compat, _warn, hardware
+from autoddp import _compat, _warn
+from autoddp.environment import hardware
 from autoddp.errors import ConfigurationError
-from autoddp.models import _reads, _routing, _start
+from autoddp.models import _class_swap, _reads, _start
 from autoddp.models.strategy import Strategy
 from autoddp.state import CURRENT, RunOptions, World
 
@@ -153,7 +154,7 @@ def _wrap_model(module: torch.nn.Module, world: World, options: RunOptions, *, m
     if compiled is not None:
         inner, dynamo_ctx = compiled
         _compat.compile_in_place(inner, dynamo_ctx)
-        _routing.redirect_compiled(module)
+        _class_swap.redirect_compiled(module)
         module = inner
     if isinstance(module, fsdp.FSDPModule):
         return module
@@ -201,7 +202,7 @@ def _wrap_model(module: torch.nn.Module, world: World, options: RunOptions, *, m
     else:
         _start.start(module, state, loose)
     del state, loose
-    _routing.swap_class(module, _sharded_class(type(module)))
+    _class_swap.swap_class(module, _sharded_class(type(module)))
     object.__setattr__(module, _SKELETON, skeleton)
     _reads.install()  # w.norm().item() and the like: the full tensor's values, never a shard's
     CURRENT.track(module, FSDP)
@@ -248,7 +249,7 @@ def _load_state_dict(
         return loader(self)  # a part of a sharded checkpoint (autoddp.load of a folder)
     if _is_plain(state_dict):
         return load_full_state_dict(self, state_dict, strict)
-    plain = type(self)._autoddp_plain_class
+    plain = getattr(type(self), _class_swap.PLAIN_CLASS)
     return plain.load_state_dict(self, state_dict, strict=strict, assign=assign)
 
 
@@ -269,13 +270,13 @@ def _deepcopy(self: torch.nn.Module, memo: dict) -> Any:
 
 
 def _sharded_class(cls: type) -> type:
-    return _routing.cached_subclass(
+    return _class_swap.cached_subclass(
         cls,
         {
             "load_state_dict": _load_state_dict,
             "__deepcopy__": _deepcopy,
             "_autoddp_strategy": FSDP,
-            "_autoddp_plain_class": cls,
+            _class_swap.PLAIN_CLASS: cls,
         },
     )
 
@@ -297,15 +298,12 @@ class FSDPStrategy(Strategy):
         """Sharding stays (FSDP2 cannot be undone); autoddp's own subclass and reads go."""
         model.__dict__.pop(_SKELETON, None)
         _reads.uninstall()
-        plain = type(model).__dict__.get("_autoddp_plain_class")
+        plain = type(model).__dict__.get(_class_swap.PLAIN_CLASS)
         if plain is not None:
             model.__class__ = plain
 
     def state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
         return full_state_dict(model)
-
-    def load_state_dict(self, model: torch.nn.Module, state: Mapping[str, Any], strict: bool = True) -> Any:
-        return load_full_state_dict(model, state, strict)
 
     def portable(self, model: torch.nn.Module, keep: bool = True) -> torch.nn.Module:
         """Rank 0: the plain, unsharded model on the CPU (gathered; every rank takes part).

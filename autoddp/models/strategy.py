@@ -8,7 +8,6 @@ result transport do). The base class is also the behaviour of a plain, unwrapped
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -42,10 +41,6 @@ class Strategy:
     def state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
         """The model's full, plain state dict (the user's keys, ordinary tensors). Every rank calls it."""
         return self.unwrap(model).state_dict()
-
-    def load_state_dict(self, model: torch.nn.Module, state: Mapping[str, Any], strict: bool = True) -> Any:
-        """Load a full, plain state dict into the model."""
-        return self.unwrap(model).load_state_dict(state, strict=strict)
 
     def portable(self, model: torch.nn.Module, keep: bool = True) -> torch.nn.Module:
         """The model fit to travel to another process: plain, on the CPU. Every rank calls it.

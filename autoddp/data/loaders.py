@@ -1,7 +1,7 @@
 """Data sharding: give each process a disjoint share of every DataLoader.
 
 ``shard_loader`` swaps a loader's sampler (or batch sampler) for a distributed one
-(``autoddp.samplers``), in place when it can, so the loader keeps its class, identity and every
+(``autoddp.data.samplers``), in place when it can, so the loader keeps its class, identity and every
 constructor setting. The samplers move to the next epoch by themselves on every pass, draw their
 seed from the user's own seed, and pad so that every rank sees the same number of samples and
 batches. ``autoddp.gather`` collects per-sample results back in the single-process order.
@@ -23,11 +23,12 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-from autoddp import _compat, _warn, streams
+from autoddp import _compat, _warn
+from autoddp.data.samplers import AutoEpochSampler, ShardedSampler
 from autoddp.errors import ConfigurationError
-from autoddp.process_group import comm_device
-from autoddp.samplers import AutoEpochSampler, ShardedSampler
 from autoddp.state import CURRENT, World
+from autoddp.worker import streams
+from autoddp.worker.process_group import comm_device
 
 # Seeds travel as int64 tensors; torch seeds are unsigned 64-bit, so fold them into this range.
 _SEED_RANGE = 2**62
@@ -249,7 +250,7 @@ def _user_seed(loader: DataLoader, sampler: Any, number: int = 0) -> int:
     loader). Without one, one process's RandomSampler draws a new seed from the global generator
     at every pass, which differs between ranks here, so the ``number``-th loader of the run (a
     loader made anew every epoch) gets its own seed derived from the user's. In a worker autoddp
-    seeded (``autoddp.streams``), torch's seed is the caller's unless the function set its own.
+    seeded (``autoddp.worker.streams``), torch's seed is the caller's unless the function set its own.
     """
     for generator in (getattr(sampler, "generator", None), loader.generator):
         if isinstance(generator, torch.Generator):

@@ -99,10 +99,10 @@ def joined(
     other ranks may still be inside a collective with it. On GPUs, ``preflight.check`` runs
     first (``announce``: its notices printed, unless the caller printed them already).
     """
-    return _Joined(world, backend, timeout, options, announce)
+    return _GroupJoined(world, backend, timeout, options, announce)
 
 
-class _Joined:
+class _GroupJoined:
     """The context manager of ``joined`` (a plain class: the one-process call path is hot)."""
 
     def __init__(
@@ -121,7 +121,7 @@ class _Joined:
     def __enter__(self) -> World:
         world, backend = self.world, self.backend
         if backend.use_cuda and world.world_size > 1 and not _group_exists():
-            from autoddp import preflight  # (the CUDA path only)
+            from autoddp.environment import preflight  # (the CUDA path only)
 
             # cuda:<local rank>, or the GPU a scheduler bound to this task; an error before NCCL's
             index = preflight.check(world, announce=self.announce)
@@ -136,7 +136,7 @@ class _Joined:
                 torch.cuda.set_device(index)
             self.created = _init_group(world, backend, device, self.timeout)
         active = world if device == world.device else dataclasses.replace(world, device=device)
-        self.current = CURRENT.joined(active, self.options, self.timeout)
+        self.current = CURRENT.entered(active, self.options, self.timeout)
         return self.current.__enter__()
 
     def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
@@ -277,7 +277,7 @@ def _name_interface(world: World) -> None:
     (where gloo and NCCL read them), unless the user set either; local rank 0 says which.
     """
     assert world.master_addr is not None
-    from autoddp import network  # (multi-machine worlds only)
+    from autoddp.environment import network  # (multi-machine worlds only)
 
     choice = network.choose(world.master_addr, os.environ)
     if choice.variables:

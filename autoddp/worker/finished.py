@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from autoddp.transport import write_private
+from autoddp.worker.transport import write_private
 
 
 def mark_finished(rank: int) -> None:

@@ -1,7 +1,7 @@
 """What runs inside each worker process: set the process up, run the job, report, leave.
 
-Forked workers enter through ``run_forked`` (called by torch.distributed.elastic's
-multiprocessing); fresh interpreters through ``python -m autoddp._worker_main FOLDER``.
+Forked workers enter through ``run_job_forked`` (called by torch.distributed.elastic's
+multiprocessing); fresh interpreters through ``python -m autoddp.worker FOLDER``.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from typing import Any
 
 import torch
 
-from autoddp import _compat, environment, placement, transport
+from autoddp import _compat, environment
 from autoddp.errors import AutoDDPError
-from autoddp.running import Job, portable, run_in_world
+from autoddp.worker import placement, transport
+from autoddp.worker.running import Job, portable, run_in_world
 
 
-def run_forked(job: Job, folder: str) -> None:
+def run_job_forked(job: Job, folder: str) -> None:
     """Entry point of a forked worker. Returns only on success, as elastic expects."""
     own_session()
     # Objects inherited from the caller are not ours to collect: freeing one that owns a thread
@@ -36,7 +37,7 @@ def run_forked(job: Job, folder: str) -> None:
 
 
 def main() -> None:
-    """Entry point of a fresh worker interpreter (``python -m autoddp._worker_main FOLDER``)."""
+    """Entry point of a fresh worker interpreter (``python -m autoddp.worker FOLDER``)."""
     folder = sys.argv[1]
     _set_up_process()
     try:

@@ -26,8 +26,7 @@ from typing import Any, BinaryIO
 import torch
 
 from autoddp import _containers, models
-from autoddp.models import optimizers
-from autoddp.rank0_control import run_on_rank0
+from autoddp.rank_zero.block import run_on_rank0
 from autoddp.world import device
 
 # Temporary files are named ".<checkpoint name>.<random>.autoddp-tmp" next to the checkpoint.
@@ -47,13 +46,13 @@ def save(obj: Any, path: str | os.PathLike[str], *, sharded: bool = False) -> No
     save of another path that every rank makes.
 
     ``sharded=True``, or a ``path`` that ends with a separator or is a folder: every rank writes its
-    own shards, as a distributed checkpoint (``autoddp.sharded``); every rank must call it.
+    own shards, as a distributed checkpoint (``autoddp.checkpoint.distributed``); every rank must call it.
     """
     path = os.fspath(path)
     if sharded or path.endswith(os.sep) or os.path.isdir(path):
-        from autoddp import sharded as distributed_checkpoint
+        from autoddp.checkpoint import distributed
 
-        distributed_checkpoint.save(obj, path)
+        distributed.save(obj, path)
         return
     state = _plain_state(obj)
     where = f"autoddp.save({path!r})"
@@ -66,17 +65,18 @@ def load(path: str | os.PathLike[str], default: Any = _MISSING, *, weights_only:
     When ``path`` does not exist, return ``default`` if one was given (``default=None`` starts
     fresh), else raise ``FileNotFoundError``. ``weights_only`` is passed to ``torch.load``: set it
     to False only for checkpoints you trust that hold objects other than tensors and containers.
-    A folder written by ``save(..., sharded=True)`` loads on any world size (``autoddp.sharded``).
+    A folder written by ``save(..., sharded=True)`` loads on any world size
+    (``autoddp.checkpoint.distributed``).
     With ``strategy="fsdp"`` and several processes, a file's tensors come back memory-mapped on
     the CPU (``torch.load(mmap=True)``): loading them into the sharded model reads them on rank
     0 only, so no rank holds the whole model (move other tensors with ``.to(device)``).
     """
     path = os.fspath(path)
     if os.path.isdir(path):
-        from autoddp import sharded as distributed_checkpoint
+        from autoddp.checkpoint import distributed
 
-        if distributed_checkpoint.is_checkpoint(path):
-            return distributed_checkpoint.load(path)
+        if distributed.is_checkpoint(path):
+            return distributed.load(path)
     try:
         if _sharding_run():
             return _load_mapped(path, weights_only)
@@ -170,13 +170,13 @@ def _plain_state(obj: Any) -> Any:
     if isinstance(obj, torch.nn.Module):
         return models.state_dict(obj)
     if isinstance(obj, torch.optim.Optimizer):
-        return optimizers.state_dict(obj)
+        return models.optimizer_state_dict(obj)
     if isinstance(obj, (torch.Tensor, type)):
-        return optimizers.full_tensors(obj)
+        return models.full_tensors(obj)
     if not isinstance(obj, (dict, list, tuple)):
         state_dict = getattr(obj, "state_dict", None)
         if callable(state_dict):
-            return optimizers.full_tensors(state_dict())
+            return models.full_tensors(state_dict())
     return _containers.map_items(obj, _plain_state)
 
 

@@ -26,7 +26,6 @@ import torch
 
 from autoddp import models
 from autoddp._leftovers import private_folder
-from autoddp.models import optimizers
 from autoddp.world import barrier, current
 
 _PARTIAL = ".autoddp-partial-"
@@ -71,7 +70,7 @@ def _entry(value: Any) -> Any:
     if isinstance(value, torch.nn.Module):
         return get_model_state_dict(models.unwrap(value))
     if isinstance(value, torch.optim.Optimizer):
-        model = optimizers.model_of(value)
+        model = models.sharded_model_of(value)
         return get_optimizer_state_dict(model, value) if model is not None else value.state_dict()
     return value
 

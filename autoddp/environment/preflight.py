@@ -17,8 +17,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-from autoddp import hardware
-from autoddp.environment import Environment
+from autoddp.environment import Environment, hardware
 from autoddp.environment._base import parse_int
 from autoddp.errors import ConfigurationError
 from autoddp.state import World

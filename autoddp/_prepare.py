@@ -39,13 +39,13 @@ def _prepare_module(obj: torch.nn.Module) -> torch.nn.Module:
 
 @prepare.register
 def _prepare_optimizer(obj: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    from autoddp.models import optimizers
+    from autoddp import models
 
-    return optimizers.bind(obj)  # over sharded parameters: loads full state into the shards
+    return models.bind_optimizer(obj)  # over sharded parameters: loads full state into the shards
 
 
 @prepare.register
 def _prepare_loader(obj: DataLoader) -> DataLoader:
-    from autoddp.data import shard_loader
+    from autoddp.data.loaders import shard_loader
 
     return shard_loader(obj, current())

@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from autoddp import environment, hardware, network
+from autoddp import environment
+from autoddp.environment import hardware, network
 from autoddp.errors import ConfigurationError
 from autoddp.state import World
 
@@ -135,8 +136,8 @@ def _launch_section(
 
 def _command_section(environ: Mapping[str, str], gpus: int, nproc: int | None) -> list[str]:
     """What ``autoddp script.py`` would do here: processes, threads, backend, start, network."""
-    from autoddp import process_group
     from autoddp.launch import start_method as launch
+    from autoddp.worker import process_group
 
     env = environment.detect(environ)
     if env.launched:
@@ -229,9 +230,7 @@ def _autoddp_version() -> str:
     try:
         return version("autoddp")
     except PackageNotFoundError:
-        from autoddp._version import __version__
-
-        return __version__
+        return sys.modules["autoddp"].__version__  # (loaded before any of its modules)
 
 
 def _python() -> str:
@@ -280,7 +279,7 @@ def _gpus(count: int, name_gpus: bool) -> str:
 
 
 def _backend(gpus: int) -> str:
-    from autoddp import process_group
+    from autoddp.worker import process_group
 
     backend = process_group.resolve_backend(None, gpus)
     why = "CUDA tensors on NCCL, CPU tensors on gloo" if backend.use_cuda else "no GPU: CPU processes"
@@ -288,8 +287,8 @@ def _backend(gpus: int) -> str:
 
 
 def _start_method(gpus: int) -> str:
-    from autoddp import process_group
     from autoddp.launch import start_method as launch
+    from autoddp.worker import process_group
 
     method, reason = launch.choose_start_method("auto", process_group.resolve_backend(None, gpus))
     return f"{method} ({reason})"

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from autoddp import _containers, _finished, models, process_group, streams
+from autoddp import _containers, models
+from autoddp._prepare import prepare
 from autoddp.hang import marks
-from autoddp.models import optimizers as model_optimizers
-from autoddp.preparation import prepare
 from autoddp.state import CURRENT, RunOptions, World
+from autoddp.worker import finished, process_group, streams
 
 
 @dataclasses.dataclass
@@ -61,7 +61,7 @@ def run_in_world(job: Job, world: World, finish: Callable[[Any], Any]) -> Any:
                     result = job.fn(*args, **kwargs)
                 del args, kwargs
             if world.world_size > 1:
-                _finished.mark_finished(world.rank)  # (peers still in a collective are told why)
+                finished.mark_finished(world.rank)  # (peers still in a collective are told why)
             return finish(result)
         finally:
             CURRENT.function = previous
@@ -97,7 +97,7 @@ def portable(value: Any) -> Any:
 
 def _portable(value: Any, keep: bool) -> Any:
     if isinstance(value, torch.Tensor):
-        gathered = model_optimizers.full_tensors(value.detach(), to_host=keep)
+        gathered = models.full_tensors(value.detach(), to_host=keep)
         return gathered.cpu() if keep else value
     if isinstance(value, torch.nn.Module):
         return models.portable(value, keep=keep)

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from autoddp.data import distributed_sampler
+from autoddp.data.loaders import distributed_sampler
 from autoddp.errors import ConfigurationError
-from autoddp.process_group import comm_device
+from autoddp.worker.process_group import comm_device
 
 
 def gather(tensor: torch.Tensor, loader: DataLoader | None = None) -> torch.Tensor:
@@ -69,7 +69,7 @@ def _layout(loader: DataLoader, world_size: int, rows: Sequence[int]) -> tuple[i
     fix = "or call gather(tensor) without loader= to concatenate the rows in rank order"
     if sampler is None:
         raise ConfigurationError(
-            "gather(loader=...) needs a loader sharded by autoddp.prepare (or autoddp.data.shard_loader), "
+            "gather(loader=...) needs a loader sharded by autoddp.prepare, "
             f"and this one has no DistributedSampler; prepare it before iterating, {fix}"
         )
     if sampler is loader.batch_sampler:

@@ -1,7 +1,7 @@
 """``rank0()``: run a block on global rank 0 only; every rank waits for it and learns its outcome.
 
 Use it as ``with autoddp.rank0(): ...`` or as a decorator, ``@autoddp.rank0``. Other ranks skip
-the body (see ``autoddp._skip`` for how) and wait until rank 0 has finished it; if the body
+the body (see ``autoddp.rank_zero.skip`` for how) and wait until rank 0 has finished it; if the body
 raised, rank 0 re-raises its exception and every other rank raises ``Rank0Error`` naming it, so
 no rank is left waiting in a later collective. The plain alternative, when the other ranks need
 not wait, is ``if autoddp.is_main(): ...``.
@@ -27,10 +27,11 @@ from typing import Any, TypeVar, overload
 
 import torch.distributed as dist
 
-from autoddp import _compat, _patches, _refusals, _skip
+from autoddp import _compat, _patches
 from autoddp.errors import ConfigurationError, Rank0Error
 from autoddp.hang import record
 from autoddp.hang.marks import MARKS
+from autoddp.rank_zero import refusals, skip
 from autoddp.state import CURRENT
 from autoddp.world import current
 
@@ -80,7 +81,7 @@ class Rank0Block:
         self._where = "the rank0() block"
         self._store: Any = None
         self._saved: _patches.Patches | None = None
-        self._skipper = _skip.BodySkipper()
+        self._skipper = skip.BodySkipper()
         self._marked = False
 
     def __call__(self, fn: F) -> F:
@@ -103,7 +104,7 @@ class Rank0Block:
             self._finish(exc)
             return False
         # A skipping rank: do everything that calls Python, then restore the tracers last.
-        error = self._outcome_error() if exc_type is None or _skip.is_skip(exc_type) else None
+        error = self._outcome_error() if exc_type is None or skip.is_skip(exc_type) else None
         skipped = self._skipper.stop(exc_type)  # the last call: it puts the tracers back
         if error is not None:
             raise error
@@ -130,7 +131,7 @@ class Rank0Block:
             return
         self._mode = _RUN
         _STATE.depth += 1
-        self._saved = _refusals.refuse(self._where)
+        self._saved = refusals.refuse(self._where)
         self._marked = MARKS.mark(record.RUNS_RANK0, self._where)  # the hang report: rank 0 is busy here
 
     def _finish(self, exc: BaseException | None) -> None:
@@ -138,7 +139,7 @@ class Rank0Block:
         if self._mode is not _RUN:
             return
         if self._saved is not None:
-            _refusals.restore(self._saved)
+            refusals.restore(self._saved)
             self._saved = None
         _STATE.depth -= 1
         if self._marked:
@@ -269,14 +270,14 @@ def _check_site(frame: FrameType) -> str:
         if len(_STATE.sites) >= _MAX_SITES:
             _STATE.sites.clear()
         where = f"the rank0() block at {frame.f_code.co_filename}:{frame.f_lineno}"
-        if not _skip.entered_by_with(frame):
+        if not skip.entered_by_with(frame):
             problem = (
                 f"{where} must be entered by a `with` statement (or used as @rank0 on a "
                 "function): the other ranks skip the body of that statement, which an ExitStack or a "
                 "direct __enter__() call does not have"
             )
         else:
-            problem = _skip.body_problem(frame, "autoddp.rank0()")
+            problem = skip.body_problem(frame, "autoddp.rank0()")
         site = (frame.f_code, where, problem)  # the code object is kept so that its id stays unique
         _STATE.sites[key] = site
     if site[2] is not None:

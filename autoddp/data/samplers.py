@@ -15,8 +15,8 @@ from typing import Any
 
 from torch.utils.data.distributed import DistributedSampler
 
-from autoddp import streams
 from autoddp.state import World
+from autoddp.worker import streams
 
 
 class AutoEpochSampler(DistributedSampler):

@@ -1,4 +1,5 @@
-"""``python -m autoddp._script [--no-capture] (PATH | --module NAME) ARGS...``: run a user script in a worker.
+"""``python -m autoddp.worker.script [--no-capture] (PATH | --module NAME) ARGS...``: a user script
+in a worker.
 
 Runs the script as ``python PATH ARGS`` / ``python -m NAME ARGS`` would (``sys.argv``,
 ``sys.path[0]``, ``__name__ == "__main__"``). A failure is written to torch.distributed.elastic's
@@ -32,21 +33,12 @@ from typing import Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from autoddp import (
-    _compat,
-    _finished,
-    _frames,
-    _worker,
-    capture,
-    environment,
-    hardware,
-    preflight,
-    process_group,
-    transport,
-)
+from autoddp import _compat, _frames, capture, environment
+from autoddp.environment import hardware, preflight
 from autoddp.hang import marks
-from autoddp.placement import own_gpu
 from autoddp.state import RunOptions, World
+from autoddp.worker import finished, process, process_group, transport
+from autoddp.worker.placement import own_gpu
 
 
 def _run(argv: list[str]) -> None:
@@ -137,10 +129,10 @@ def main(leave_groups_at_exit: bool = True) -> None:
     prevent), and ending the group there would leave the script's own DDP to be freed after its
     group, when atexit lets go of the script's hooks (a deadlock in gloo).
     """
-    _worker.die_with_parent()
+    process.die_with_parent()
     run_folder = os.environ.get("AUTODDP_RUN_FOLDER")
     if run_folder:  # where this rank was if autoddp stops it (a peer timed out or died waiting for it)
-        _worker.STACK_DUMP.arm(run_folder, int(os.environ.get("RANK", "0")))
+        process.STACK_DUMP.arm(run_folder, int(os.environ.get("RANK", "0")))
     if leave_groups_at_exit:
         # Registered before the script runs, so it runs after the script's own atexit hooks.
         atexit.register(_leave_cleanly)
@@ -163,13 +155,13 @@ def main(leave_groups_at_exit: bool = True) -> None:
         sys.excepthook(type(exc), exc, exc.__traceback__)
         sys.exit(1)
     if os.environ.get("WORLD_SIZE", "1") != "1":
-        _finished.mark_finished(int(os.environ.get("RANK", "0")))  # (peers still waiting are told why)
+        finished.mark_finished(int(os.environ.get("RANK", "0")))  # (peers still waiting are told why)
     _ended(well=True)
 
 
-def run_forked(argv: list[str]) -> None:
+def run_script_forked(argv: list[str]) -> None:
     """Entry point of a worker forked from the ``autoddp`` command (its fast start): run the script
-    as ``python -m autoddp._script ARGV`` would, then leave as that interpreter would.
+    as ``python -m autoddp.worker.script ARGV`` would, then leave as that interpreter would.
 
     Returns only on success, as elastic expects; the exit status otherwise. The command's own
     atexit hooks and signal handlers are not the script's: dropped first (the script's atexit
@@ -177,10 +169,10 @@ def run_forked(argv: list[str]) -> None:
     collector (a loopback store's server thread lives there).
     """
     gc.freeze()
-    _worker.own_session()  # (a session of its own, as torchrun's workers)
+    process.own_session()  # (a session of its own, as torchrun's workers)
     _compat.clear_atexit_hooks()
     _fresh_random_streams()
-    _worker.use_thread_count()  # (torch read OMP_NUM_THREADS in the command, before it was set)
+    process.use_thread_count()  # (torch read OMP_NUM_THREADS in the command, before it was set)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):

@@ -1,0 +1,76 @@
+"""The class swap that every strategy uses: the user's module keeps its identity, its class
+becomes a cached subclass with the same name and qualified name.
+
+``cached_subclass`` makes such a subclass once per class and contents; ``swap_class`` gives it to
+a module; ``plain_reduce`` pickles and deep-copies a swapped module as its plain class;
+``redirect_compiled`` has a ``torch.compile`` result call through its swapped module. A swapped
+class keeps its plain class in ``PLAIN_CLASS`` and its strategy in ``_autoddp_strategy``.
+Strategy-specific behaviour (DDP's routing: ``models._routing``; FSDP's loads: ``models.fsdp``)
+lives with its strategy.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import types
+from typing import Any
+
+import torch
+
+#: The class attribute of a swapped class that names the user's own class.
+PLAIN_CLASS = "_autoddp_plain_class"
+#: Instance attributes autoddp keeps on a module are named so; they never travel in a pickle.
+PRIVATE_PREFIX = "_autoddp_"
+
+
+def plain_reduce(self: torch.nn.Module, protocol: int) -> tuple:
+    """Pickle as the plain class: rebuilt by the standard library's ``copyreg._reconstructor``
+    (``object.__new__(cls)``, then the class's own ``__setstate__``), so the pickle names nothing
+    of autoddp and loads with plain torch where autoddp is not installed; ``copy.deepcopy`` too."""
+    plain = getattr(type(self), PLAIN_CLASS)
+    getstate = getattr(plain, "__getstate__", None)
+    state = getstate(self) if getstate is not None and getstate is not object.__getstate__ else None
+    if state is None:
+        state = self.__dict__
+    if isinstance(state, dict):
+        state = {key: value for key, value in state.items() if not key.startswith(PRIVATE_PREFIX)}
+    return (copyreg._reconstructor, (plain, object, None), state)
+
+
+def _call_inner(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return self._orig_mod(*args, **kwargs)
+
+
+_SUBCLASSES: dict[tuple[type, tuple[tuple[str, Any], ...]], type] = {}
+
+
+def cached_subclass(cls: type, extra: dict[str, Any]) -> type:
+    """A subclass of ``cls`` with the same name and qualified name and ``extra`` in it, made once."""
+    key = (cls, tuple(sorted(extra.items())))
+    found = _SUBCLASSES.get(key)
+    if found is None:
+        namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
+        namespace.update(extra)
+        found = _SUBCLASSES[key] = types.new_class(
+            cls.__name__, (cls,), exec_body=lambda ns: ns.update(namespace)
+        )
+    return found
+
+
+def swap_class(module: torch.nn.Module, cls: type) -> None:
+    """Give ``module`` the class ``cls`` (a subclass of its own, from ``cached_subclass``)."""
+    module.__class__ = cls
+
+
+def redirect_compiled(compiled: torch.nn.Module) -> None:
+    """Have calls of a ``torch.compile`` result go to its (wrapped, compiled-in-place) module.
+
+    Its own ``forward`` was bound to the module's original ``__call__`` when it was made, which
+    would bypass the swapped class; code that kept the compiled object calls through it.
+    """
+    if PLAIN_CLASS not in type(compiled).__dict__:
+        cls = type(compiled)
+        extra = {"__call__": _call_inner, "__reduce_ex__": plain_reduce, PLAIN_CLASS: cls}
+        compiled.__class__ = cached_subclass(cls, extra)
+
+
