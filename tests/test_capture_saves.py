@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pickletools
+import re
 import time
 
 import pytest
@@ -299,4 +300,5 @@ def test_the_decorator_names_the_rank_that_ran_out_of_batches_first():
         _train_on_uneven_shards()
     assert time.monotonic() - start < 30
     assert str(raised.value).startswith(EARLY.format(f"test_capture_saves.py:{line}"))
-    assert "Connection closed by peer" in str(raised.value.__cause__)  # gloo's error, kept as the cause
+    # gloo's error, kept as the cause (closed or reset, as the peer's exit and the read race)
+    assert re.search(r"Connection (closed|reset) by peer", str(raised.value.__cause__))
