@@ -9,7 +9,7 @@ ran the user's code: all of them ask this module. A file is:
 - **a library's** when it is autoddp's, one of Python's frozen modules (``<frozen runpy>``), or
   lies under the standard library, a site-packages folder, or torch's or wrapt's own folder;
 - **a runner's** (its frames are below the user's code, never part of it) for autoddp's call path
-  (``running.py``, ``_worker.py``, ``_script.py``) and ``runpy``;
+  (``worker/running.py``, ``worker/process.py``, ``worker/script.py``) and ``runpy``;
 - **the user's** otherwise, code given as text (``<string>``, ``<stdin>``) included.
 
 This module imports nothing of autoddp (a leaf) and never imports torch or wrapt: it finds where

@@ -96,7 +96,7 @@ def joined(
     normally; first every wrapped model lets go of the group (``Run.release_wrapped``: a DDP
     wrapper is dropped) and garbage is collected, so no DDP outlives the group (freeing one
     afterwards can deadlock gloo). After an error the group is left to the process's exit: the
-    other ranks may still be inside a collective with it. On GPUs, ``preflight.check`` runs
+    other ranks may still be inside a collective with it. On GPUs, ``environment.preflight.check`` runs
     first (``announce``: its notices printed, unless the caller printed them already).
     """
     return _GroupJoined(world, backend, timeout, options, announce)

@@ -6,7 +6,7 @@ would draw from the operating system's entropy): the caller's torch, Python ``ra
 it is loaded, NumPy states are each digested (without advancing them), and worker ``rank`` seeds
 each library with ``sha256(digest, rank)``. Ranks differ, as under torchrun, and a run repeats
 exactly when the caller seeded. A seed set inside the function applies as written. The
-DataLoader sampler's shared shuffle seed still comes from the caller's seed (see ``data``);
+DataLoader sampler's shared shuffle seed still comes from the caller's seed (see ``data.loaders``);
 ``Private`` holds the states a sharded sampler draws its order from, apart from the user's.
 """
 
