@@ -37,7 +37,12 @@ from typing import Any
 from run import HERE, Table, _tool, clean_environment, machine_description, run_command
 from steady_state import summarise
 
-EPOCH_LINE = re.compile(r"epoch (\d+) ([0-9.]+)s loss ([0-9.]+) threads (\d+) cpu ([0-9.]+)s")
+EPOCH_LINE = re.compile(
+    r"epoch (\d+) ([0-9.]+)s loss ([0-9.]+) threads (\d+) cpu ([0-9.]+)s(?: faults (\d+))?"
+)
+#: ``--steady-malloc``: glibc's thresholds fixed for both contenders (no trimming of the heap's top
+#: between steps, activations never mmapped), so that neither pays page faults the other does not.
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
 RUN_TIMEOUT_S = 600  # one launch; a healthy full-size one takes 10-20 s
 LABELS = {"autoddp": "autoddp -n N (unchanged script)", "torchrun": "torchrun (hand-written DDP)"}
 
@@ -65,6 +70,8 @@ class Run:
     last_loss: float
     threads: int
     wall_s: float
+    #: rank 0's minor page faults per epoch (empty from a script that does not print them)
+    epoch_faults: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def figure_s(self) -> float:
@@ -117,19 +124,23 @@ def parse_run(output: str, wall_s: float, epochs: int) -> Run:
         last_loss=float(found[-1][2]),
         threads=int(found[-1][3]),
         wall_s=wall_s,
+        epoch_faults=[int(line[5]) for line in found if line[5] is not None],
     )
 
 
-def environment() -> dict[str, str]:
+def environment(steady_malloc: bool = False) -> dict[str, str]:
     """A plain job's environment without ``OMP_NUM_THREADS`` (as in a user's shell: each launcher
-    chooses its workers' threads) and without GPUs (a CPU benchmark: gloo, also on a GPU machine)."""
+    chooses its workers' threads) and without GPUs (a CPU benchmark: gloo, also on a GPU machine);
+    ``steady_malloc``: with ``STEADY_MALLOC``, the same for both."""
     plain = {name: value for name, value in clean_environment().items() if name != "OMP_NUM_THREADS"}
-    return {**plain, "CUDA_VISIBLE_DEVICES": ""}
+    return {**plain, "CUDA_VISIBLE_DEVICES": "", **(STEADY_MALLOC if steady_malloc else {})}
 
 
-def measure(nproc: int, settings: Settings, progress: Callable[[str], None]) -> dict[str, list[Run]]:
+def measure(
+    nproc: int, settings: Settings, progress: Callable[[str], None], steady_malloc: bool = False
+) -> dict[str, list[Run]]:
     """``settings.rounds`` rounds of both launchers, the order alternating every round."""
-    lines, env = commands(nproc, settings), environment()
+    lines, env = commands(nproc, settings), environment(steady_malloc)
     names = list(lines)
     results: dict[str, list[Run]] = {name: [] for name in names}
     for index in range(settings.rounds):
@@ -137,7 +148,9 @@ def measure(nproc: int, settings: Settings, progress: Callable[[str], None]) -> 
             start, end, output = run_command(lines[name], RUN_TIMEOUT_S, env)
             run = parse_run(output, end - start, settings.epochs)
             results[name].append(run)
-            progress(f"round {index + 1}/{settings.rounds}: {name} epoch {run.figure_s:.3f} s")
+            later = run.epoch_faults[1:]
+            faults = f", {statistics.median(later):.0f} page faults" if later else ""
+            progress(f"round {index + 1}/{settings.rounds}: {name} epoch {run.figure_s:.3f} s{faults}")
     return results
 
 
@@ -153,6 +166,8 @@ def report(results: dict[str, list[Run]], table: Table) -> dict[str, Any]:
         ("CPU, 2+", lambda r: r.cpu_figure_s, 3),
         ("start+exit", lambda r: r.startup_s, 2),
     ]
+    if all(len(r.epoch_faults) > 1 for runs in results.values() for r in runs):
+        rows.insert(3, ("faults, 2+", lambda r: statistics.median(r.epoch_faults[1:]), 0))
     for what, figure, digits in rows:
         for name, label in LABELS.items():
             table.row(f"{what:10}  {label}", [figure(r) for r in results[name]], "s", digits)
@@ -179,6 +194,11 @@ def report(results: dict[str, list[Run]], table: Table) -> dict[str, Any]:
         "startup_and_exit_s_median": medians(lambda r: r.startup_s, 2),
         "last_loss_median": medians(lambda r: r.last_loss, 4),
         "threads_per_worker": {name: sorted({r.threads for r in runs}) for name, runs in results.items()},
+        "page_faults_per_epoch_median": {
+            name: statistics.median(statistics.median(r.epoch_faults[1:]) for r in runs)
+            for name, runs in results.items()
+            if all(len(r.epoch_faults) > 1 for r in runs)
+        },
     }
 
 
@@ -216,6 +236,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--epochs", type=int, help="per launch, the first untimed (default 6; quick 3)")
     parser.add_argument("--samples", type=int, help="samples in the data set (default 2048; quick 1024)")
     parser.add_argument("--nproc", type=int, default=2, help="processes per launch (default 2)")
+    parser.add_argument(
+        "--steady-malloc",
+        action="store_true",
+        help="fix glibc's malloc thresholds for both contenders (no page faults from heap trimming)",
+    )
     args = parser.parse_args(argv)
     base = QUICK if args.quick else FULL
     settings = Settings(
@@ -228,17 +253,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     def progress(message: str) -> None:
         print(f"[{time.monotonic() - began:6.1f} s] {message}", file=sys.stderr, flush=True)
 
-    results = measure(args.nproc, settings, progress)
+    results = measure(args.nproc, settings, progress, args.steady_malloc)
     table = Table()
     figures = report(results, table)
     machine = {**machine_description(args.nproc), "sched_autogroup": sched_autogroup()}
     print(f"autoddp -n {args.nproc} vs torchrun: {machine['device']}, {machine['cpu_cores']} CPU cores,")
     print(f"  {machine['platform']}, Python {machine['python']}, torch {machine['torch']}")
-    print(f"  OMP_NUM_THREADS unset; {settings}")
+    malloc = "; glibc malloc thresholds fixed for both (--steady-malloc)" if args.steady_malloc else ""
+    print(f"  OMP_NUM_THREADS unset; {settings}{malloc}")
     table.print()
     print(verdict(figures))
     print(f"({time.monotonic() - began:.0f} s)", flush=True)
-    figures.update(**dataclasses.asdict(settings), machine=machine)
+    figures.update(**dataclasses.asdict(settings), machine=machine, steady_malloc=args.steady_malloc)
     print(json.dumps(figures))
 
 

@@ -9,13 +9,16 @@ the model (found through the optimizer) and shards the shuffled loader. With the
 lines a torchrun user adds run as well (``init_process_group``, ``DistributedDataParallel``, a
 ``DistributedSampler`` with ``set_epoch``); the model, data, batch per process and steps per
 epoch are the same either way. Rank 0 prints one line per epoch, timed inside the script:
-``epoch 1 1.234s loss 2.3026 threads 1 cpu 1.201s``: wall time, mean loss, the threads torch
-computes with in this process, and the CPU time of all its threads in the epoch.
+``epoch 1 1.234s loss 2.3026 threads 1 cpu 1.201s faults 12345``: wall time, mean loss, the threads
+torch computes with in this process, the CPU time of all its threads in the epoch, and its minor
+page faults in the epoch (glibc returning the freed activations' pages to the system and taking
+them back: kernel time that varies from run to run, whichever launcher runs the script).
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 
 import torch
@@ -77,6 +80,7 @@ def main() -> None:
         if sampler is not None:
             sampler.set_epoch(epoch)
         start, start_cpu = time.perf_counter(), time.process_time()
+        start_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         total = 0.0
         for images, labels in loader:
             loss = F.cross_entropy(model(images), labels)
@@ -85,9 +89,11 @@ def main() -> None:
             optimizer.step()
             total += loss.item()
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start_faults
         if rank == 0:
             line = f"epoch {epoch + 1} {seconds:.3f}s loss {total / len(loader):.4f}"
-            print(f"{line} threads {torch.get_num_threads()} cpu {cpu_seconds:.3f}s", flush=True)
+            line += f" threads {torch.get_num_threads()} cpu {cpu_seconds:.3f}s faults {faults}"
+            print(line, flush=True)
 
     if args.hand_written_ddp:
         del model  # free DDP before its process group: the other order can deadlock gloo at exit
