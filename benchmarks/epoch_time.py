@@ -170,7 +170,8 @@ def report(results: dict[str, list[Run]], table: Table) -> dict[str, Any]:
         rows.insert(3, ("faults, 2+", lambda r: statistics.median(r.epoch_faults[1:]), 0))
     for what, figure, digits in rows:
         for name, label in LABELS.items():
-            table.row(f"{what:10}  {label}", [figure(r) for r in results[name]], "s", digits)
+            unit = "" if what.startswith("faults") else "s"
+            table.row(f"{what:10}  {label}", [figure(r) for r in results[name]], unit, digits)
     for what, ratios in (("epoch time", figures), ("CPU time", cpu)):
         interval = f"{ratios['ratio_ci_low']:.3f}-{ratios['ratio_ci_high']:.3f}"
         label = f"ratio autoddp / torchrun, {what}, median of {len(autoddp)} rounds"
