@@ -108,3 +108,39 @@ def return_freed_memory_at_once() -> bool:
         return False
     m_mmap_threshold = -3
     return bool(libc.mallopt(m_mmap_threshold, 64 * 1024))
+
+
+#: glibc's own upper bounds for its adaptive thresholds on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX, and
+#: twice it for trimming): where ``keep_freed_memory`` fixes them.
+KEPT_MMAP_THRESHOLD = 32 * 2**20
+KEPT_TRIM_THRESHOLD = 2 * KEPT_MMAP_THRESHOLD
+
+
+def keep_freed_memory(environ: Mapping[str, str] | None = None) -> bool:
+    """Have glibc keep a CPU training step's freed activations in the heap for the next step.
+
+    Left adaptive, glibc raises its mmap threshold only to the largest block freed so far (a few
+    MiB for a small model) and trims the heap's top whenever more than twice that is free: a step
+    that frees more (its activations and gradients) gives their pages back to the kernel and
+    faults every one in again the next step, in some runs and not others (up to a quarter of the
+    step's CPU time in ``benchmarks/epoch_time.py``, under torchrun as much as under autoddp).
+    Fixed at glibc's own bounds (blocks under 32 MiB from the heap, trimmed beyond 64 MiB free),
+    the heap holds at most 64 MiB more than it uses. Never over the user's own ``MALLOC_*`` or
+    ``GLIBC_TUNABLES`` malloc settings; Linux with glibc only; returns whether the setting took.
+    """
+    import ctypes
+
+    environ = os.environ if environ is None else environ
+    if any(name.startswith("MALLOC_") for name in environ) or "glibc.malloc" in environ.get(
+        "GLIBC_TUNABLES", ""
+    ):
+        return False
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    mmap_set = bool(libc.mallopt(m_mmap_threshold, KEPT_MMAP_THRESHOLD))
+    return mmap_set and bool(libc.mallopt(m_trim_threshold, KEPT_TRIM_THRESHOLD))

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from autoddp import _compat, _warn
+from autoddp.environment import hardware
 from autoddp.errors import ConfigurationError
 from autoddp.models import _class_swap, _routing
 from autoddp.models.strategy import Strategy
@@ -250,6 +251,8 @@ def wrap_model(
         # (said by rank 0 only: every rank would say the same)
         _warn.warn(_batchnorm_hint(type(module).__name__, world.device))
     _watch_parameter_changes()
+    if world.device == "cpu":
+        hardware.keep_freed_memory()  # else every step may fault its activations in again
     object.__setattr__(module, _routing.REPLICA_ATTR, Replica(module, ddp_kwargs or {}))
     return module
 
