@@ -124,7 +124,7 @@ def _call(options: Options, wrapped: Callable[..., Any], instance: Any, args: tu
     nproc = options.process_count(backend, gpus)
     plan = options.nodes
     if plan.multi or nproc > 1:
-        job.streams = streams.of_caller()
+        job.streams = streams.of_caller(keep=options.split_batches)
     if plan.multi:
         from autoddp.launch import nodes  # (the launch machinery loads when it is first needed)
 

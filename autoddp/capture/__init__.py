@@ -292,11 +292,14 @@ class Session:
                 self.notice.say(("loader", id(loader)), line, captured=False)
                 return
             whole = (loader.sampler, loader.batch_sampler)
-            seed = user_seed(loader, number=self._loaders)  # the run's n-th loader: its own seed
-            shard_loader(loader, world, seed=self._shared_seed(seed, world))
+            if self.options.split_batches:  # one process's batches, in parts: no seed of autoddp's
+                shard_loader(loader, world, split=True)
+            else:
+                seed = user_seed(loader, number=self._loaders)  # the run's n-th loader: its own seed
+                shard_loader(loader, world, seed=self._shared_seed(seed, world), split=False)
             shard = (loader.sampler, loader.batch_sampler)
             loader.__dict__[loaders.Shares.KEY] = loaders.Shares(whole, shard)
-        share = f"each process takes 1/{world.world_size} of every epoch{loaders.padding(loader)}"
+        share = loaders.share(loader, world.world_size)
         if first_pass != loaders.TRAINING:
             line = (
                 f"DataLoader ({where(site)}): shuffled, first iterated outside training (no gradients, "

@@ -58,6 +58,16 @@ def padding(loader: DataLoader) -> str:
     )
 
 
+def share(loader: DataLoader, world_size: int) -> str:
+    """For the notice: what each process takes of a sharded ``loader``."""
+    if type(loader.batch_sampler).__name__ == "SplitBatches":
+        return (
+            f"each process takes its part (1/{world_size}) of every batch: one process's batches, "
+            "steps and len(loader) (split_batches)"
+        )
+    return f"each process takes 1/{world_size} of every epoch{padding(loader)}"
+
+
 #: What a pass beginning now is, for a random loader: it gets all of it, except in training.
 TRAINING, EVALUATING, UNTRAINED = "training", "evaluating", "untrained"
 
