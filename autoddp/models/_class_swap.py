@@ -72,5 +72,3 @@ def redirect_compiled(compiled: torch.nn.Module) -> None:
         cls = type(compiled)
         extra = {"__call__": _call_inner, "__reduce_ex__": plain_reduce, PLAIN_CLASS: cls}
         compiled.__class__ = cached_subclass(cls, extra)
-
-
