@@ -207,8 +207,16 @@ def _iter(self: DataLoader) -> Any:
     return _Weighed(iterator, batches)
 
 
+#: id() of the iterator whose batch ``CURRENT.split_weight`` is (its weight goes with it).
+_OWNER: list[int | None] = [None]
+
+
 class _Weighed:
-    """A loader's iterator that records this rank's weight of each batch as it hands it out."""
+    """A loader's iterator that records this rank's weight of each batch as it hands it out.
+
+    The weight stays until the pass ends or its iterator goes (a loop left with ``break``), so a
+    forward after it (an evaluation, another loader's batch) is not weighed.
+    """
 
     def __init__(self, iterator: Any, batches: SplitBatches) -> None:
         self._iterator, self._batches, self._handed = iterator, batches, 0
@@ -220,11 +228,16 @@ class _Weighed:
         try:
             batch = next(self._iterator)
         except StopIteration:
-            CURRENT.split_weight = None
+            CURRENT.split_weight, _OWNER[0] = None, None
             raise
         CURRENT.split_weight = self._batches.weights[self._handed]
+        _OWNER[0] = id(self)
         self._handed += 1
         return batch
+
+    def __del__(self) -> None:
+        if _OWNER[0] == id(self):
+            CURRENT.split_weight, _OWNER[0] = None, None
 
     def __len__(self) -> int:
         return len(self._iterator)
