@@ -179,16 +179,21 @@ def _train(out, *, seed=True, prepared=False, given=None):
 
 _split_train = autoddp.distributed(nproc=2, split_batches=True)(_train)
 _prepared_train = autoddp.distributed(nproc=2, capture=False)(_train)
+_spawned_train = autoddp.distributed(nproc=2, split_batches=True, start_method="spawn")(_train)
 
 
-@pytest.mark.parametrize("seed", [True, False], ids=["seeded-inside", "seeded-by-the-caller"])
-def test_a_decorated_function_that_builds_everything_is_the_single_process_run(tmp_path, seed):
+@pytest.mark.parametrize(
+    ("seed", "fn"),
+    [(True, _split_train), (False, _split_train), (False, _spawned_train)],
+    ids=["seeded-inside", "seeded-by-the-caller", "seeded-by-the-caller-spawned"],
+)
+def test_a_decorated_function_that_builds_everything_is_the_single_process_run(tmp_path, seed, fn):
     (tmp_path / "one").mkdir()
     (tmp_path / "many").mkdir()
     torch.manual_seed(0)
     _train(str(tmp_path / "one"), seed=seed)
     torch.manual_seed(0)  # rank 0 continues the caller's streams, as one process would
-    _split_train(str(tmp_path / "many"), seed=seed)
+    fn(str(tmp_path / "many"), seed=seed)
     assert_same_run(_read(tmp_path / "one", 1)[0], _read(tmp_path / "many", 2), tolerance=1e-4)
 
 
