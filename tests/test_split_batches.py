@@ -106,7 +106,8 @@ def assert_same_run(single, ranks, *, tolerance):
 @pytest.mark.parametrize(
     ("nproc", "size", "batch", "flags", "tolerance"),
     [
-        (2, 101, 16, [], 1e-5),  # the last batch 5: parts 3 and 2
+        (2, 105, 64, [], 1e-5),  # batches of 64 and 41: parts 32, 32 and 21, 20
+        (3, 105, 64, [], 1e-5),  # 64 over 3: 22, 21, 21; 41: 14, 14, 13
         (3, 101, 16, [], 1e-5),  # every batch uneven: 6, 5, 5
         (2, 101, 16, ["--bn", "--workers"], 1e-4),  # DataLoader workers fetch the parts
         (3, 101, 16, ["--bn"], 1e-4),
