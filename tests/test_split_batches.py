@@ -338,3 +338,33 @@ def test_the_benchmark_runs_and_prints_its_ratios():
     for name in ("without_batchnorm", "with_batchnorm"):
         assert figures[name]["ratio_median"] > 0  # (read, never asserted: no timing in tests)
     assert figures["nproc"] == 2 and figures["batch_per_process"] == 4
+
+
+def test_the_notice_says_the_batchnorm_cost_and_a_summed_loss_is_a_warning(tmp_path):
+    script = write(
+        tmp_path / "summed.py",
+        """
+        import torch
+        from torch import nn
+        from torch.utils.data import DataLoader, TensorDataset
+
+        model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = TensorDataset(torch.randn(20, 4), torch.randint(0, 2, (20,)))
+        for x, y in DataLoader(data, batch_size=10, shuffle=True):
+            loss = nn.functional.cross_entropy(model(x), y, reduction="sum")
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        """,
+    )
+    result = run_python(["-m", "autoddp.cli", "-n", "2", "--split-batches", str(script)])
+    assert result.returncode == 0, result.stderr
+    assert (
+        "1 BatchNorm layer with the global batch's statistics (split_batches: two all-reduces"
+        in result.stderr
+    )
+    assert "each process takes its part (1/2) of every batch" in result.stderr
+    warning = "split_batches assumes a loss that is a mean over the batch"
+    assert result.stderr.count(warning) == 1 and "about 1/2 of one process's" in result.stderr
+    assert "summed.py:12" in result.stderr and "loss.backward()" in result.stderr  # the user's line

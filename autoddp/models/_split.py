@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autoddp import _compat, _warn
 from autoddp.models import _class_swap
 from autoddp.state import CURRENT
 
@@ -51,6 +52,31 @@ class _Scale:
 
 def _zero(grad: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(grad)  # (not grad * 0: a NaN would stay NaN)
+
+
+def check_loss(loss: Any) -> None:
+    """Warn when ``loss`` is summed over the batch: weighing the parts assumes a mean."""
+    if _compat.loss_reduction(loss) != "sum":
+        return
+    world = CURRENT.world
+    _warn.warn(
+        "split_batches assumes a loss that is a mean over the batch (the default reduction), and this "
+        "one is summed (reduction='sum' or .sum()): each process sums its part only, so the gradients "
+        f"are about 1/{world.world_size if world else 'N'} of one process's. Use a mean "
+        "(reduction='mean', or divide by the batch size), or leave split_batches off"
+    )
+
+
+def note(model: torch.nn.Module) -> str:
+    """The notice's words for the BatchNorm layers of ``model`` that use the global statistics."""
+    count = sum(1 for sub in model.modules() if type(sub).__dict__.get("forward") is _forward)
+    if not count:
+        return ""
+    layers = "layer" if count == 1 else "layers"
+    return (
+        f"; {count} BatchNorm {layers} with the global batch's statistics (split_batches: two "
+        f"all-reduces per layer and step, one in the forward, one in the backward)"
+    )
 
 
 def _each_tensor(value: Any, hook: Any) -> None:
