@@ -36,6 +36,11 @@ def prepare(obj: Any, *, split_batches: bool | None = None) -> Any:
     if not isinstance(split_batches, bool):
         raise ConfigurationError(f"split_batches={split_batches!r} must be True or False")
     previous = CURRENT.options
+    if split_batches and previous.strategy != "ddp":
+        raise ConfigurationError(
+            f"split_batches=True works with strategy='ddp' only (not {previous.strategy!r}) so far: "
+            "use strategy='ddp', or leave split_batches off"
+        )
     CURRENT.options = dataclasses.replace(previous, split_batches=split_batches)
     try:
         return _prepare(obj)

@@ -53,7 +53,9 @@ SCRIPT = """
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     workers = 2 if "--workers" in sys.argv else 0
-    loader = DataLoader(Data(size), batch_size=batch, shuffle=True, num_workers=workers)
+    loader = DataLoader(
+        Data(size), batch_size=batch, shuffle=True, num_workers=workers, persistent_workers=workers > 0
+    )
     rows = [{"len": len(loader)}]
     for epoch in range(3):
         for k, (x, y, i) in enumerate(loader):
@@ -109,7 +111,7 @@ def assert_same_run(single, ranks, *, tolerance):
         (2, 105, 64, [], 1e-5),  # batches of 64 and 41: parts 32, 32 and 21, 20
         (3, 105, 64, [], 1e-5),  # 64 over 3: 22, 21, 21; 41: 14, 14, 13
         (3, 101, 16, [], 1e-5),  # every batch uneven: 6, 5, 5
-        (2, 101, 16, ["--bn", "--workers"], 1e-4),  # DataLoader workers fetch the parts
+        (2, 101, 16, ["--bn", "--workers"], 1e-4),  # persistent DataLoader workers fetch the parts
         (3, 101, 16, ["--bn"], 1e-4),
         (2, 101, 16, ["--accumulate"], 1e-5),
         (3, 99, 16, ["--accumulate", "--bn"], 1e-4),  # the last batch 3: one sample each

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader
 
+from autoddp import _compat
 from autoddp.errors import ConfigurationError
 from autoddp.models import _class_swap
 from autoddp.state import CURRENT, World
@@ -189,7 +190,11 @@ def split_loader(loader: DataLoader, world: World) -> DataLoader:
             f"{world.world_size - size} of them without a sample in every step. Use a batch_size of "
             f"at least {world.world_size} (it is the global batch), or fewer processes (-n {size})"
         )
-    object.__setattr__(loader, "batch_sampler", SplitBatches(batches, world))
+    split = SplitBatches(batches, world)
+    object.__setattr__(loader, "batch_sampler", split)
+    persistent = _compat.loader_iterator(loader)
+    if persistent is not None:  # persistent workers already started: their iterator takes it too
+        _compat.set_iterator_order(persistent, split)
     if _class_swap.PLAIN_CLASS not in type(loader).__dict__:
         cls = type(loader)
         extra = {"__iter__": _iter, "__reduce_ex__": _class_swap.plain_reduce, _class_swap.PLAIN_CLASS: cls}
