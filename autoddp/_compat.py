@@ -68,6 +68,32 @@ def loader_iterator(loader: torch.utils.data.DataLoader) -> Any:
     return _need(loader, "_iterator", "to tell whether a DataLoader's persistent workers started")
 
 
+#: Autograd nodes that scale a loss by a number (``loss / accumulation_steps``): looked through.
+_SCALINGS = ("DivBackward0", "MulBackward0")
+
+
+def loss_reduction(loss: Any) -> str | None:
+    """``"sum"`` or ``"mean"``: how ``loss`` reduced over the batch, where its autograd graph says so
+    (a ``.sum()``/``.mean()``, or a loss function's ``reduction=``, through scalings); else None.
+
+    A loss function's node keeps its reduction in ``_saved_reduction`` (1: mean, 2: sum).
+    """
+    node = getattr(loss, "grad_fn", None)
+    for _ in range(4):
+        if node is None:
+            return None
+        name = node.name()
+        if name in _SCALINGS and len(node.next_functions) == 2 and node.next_functions[1][0] is None:
+            node = node.next_functions[0][0]
+            continue
+        if name == "SumBackward0":
+            return "sum"
+        if name == "MeanBackward0":
+            return "mean"
+        return {1: "mean", 2: "sum"}.get(getattr(node, "_saved_reduction", None))
+    return None
+
+
 def version(tensor: torch.Tensor) -> int:
     """A tensor's version counter: it moves with every in-place change (a gradient accumulating)."""
     return int(_need(tensor, "_version", "to tell whether a backward changed a gradient"))

@@ -78,6 +78,11 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     (``with torch.device("meta"): model = Net()``) is sharded before it gets memory, and rank 0
     makes its weights (``reset_parameters()``), as one process with the same seed would.
 
+    ``split_batches=True``: the batch of each shuffled loader is the global batch, each process
+    taking its part of every one (the steps, samples, ``len(loader)`` and, for a loss that is a
+    mean over the batch, the gradients of one process; BatchNorm with the global statistics);
+    rank 0 continues the caller's random streams, so the sampler draws what one process would.
+
     ``hang_report``: when some ranks have waited in a collective (or for rank 0's ``rank0()``
     block) this many seconds while others are elsewhere, the console says which ranks wait,
     where, and shows the Python stack of each rank that has not arrived; the run goes on
@@ -124,7 +129,7 @@ def _call(options: Options, wrapped: Callable[..., Any], instance: Any, args: tu
     nproc = options.process_count(backend, gpus)
     plan = options.nodes
     if plan.multi or nproc > 1:
-        job.streams = streams.of_caller()
+        job.streams = streams.of_caller(keep=options.split_batches)
     if plan.multi:
         from autoddp.launch import nodes  # (the launch machinery loads when it is first needed)
 

@@ -133,6 +133,13 @@ class Options:
     cpu_offload: bool = option(
         False, "FSDP: keep parameter shards on the CPU.", "--cpu-offload", is_flag=True
     )
+    split_batches: bool = option(
+        False,
+        "The script's batch is the global batch: each process takes its part of every batch, so the "
+        "run takes the steps one process would, with the same samples in each.",
+        "--split-batches",
+        is_flag=True,
+    )
     hang_report: float = option(
         hang_record.DEFAULT_SECONDS,
         "When ranks have waited this long in a collective for others, say which rank is late and where "
@@ -178,7 +185,12 @@ class Options:
                 f"hang_report={self.hang_report!r} must be a number of seconds >= 0: how long ranks may "
                 "wait for another before autoddp says which rank and where (e.g. hang_report=120; 0: off)"
             )
-        for name in ("sync_batchnorm", "capture", "cpu_offload"):
+        if self.split_batches is True and self.strategy != "ddp":
+            raise ConfigurationError(
+                f"split_batches=True works with strategy='ddp' only (not {self.strategy!r}) so far: "
+                "use strategy='ddp', or leave split_batches off"
+            )
+        for name in ("sync_batchnorm", "capture", "cpu_offload", "split_batches"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigurationError(f"{name}={getattr(self, name)!r} must be True or False")
         self.output.shown(self.nproc or max(hardware.gpu_count(), 1))  # ranks=, log_dir= as well
@@ -214,6 +226,7 @@ class Options:
             fsdp_blocks=tuple(self.fsdp_blocks),
             mixed_precision=self.mixed_precision,
             cpu_offload=self.cpu_offload,
+            split_batches=self.split_batches,
         )
 
     def process_count(self, backend: process_group.Backend, gpus: int) -> int:

@@ -47,6 +47,8 @@ class RunOptions:
     mixed_precision: Any = None
     #: FSDP: keep the parameters' shards on the CPU between uses.
     cpu_offload: bool = False
+    #: The script's batch is the global batch: each rank takes its part (``autoddp.data.split``).
+    split_batches: bool = False
 
 
 class Releasing(Protocol):
@@ -76,6 +78,9 @@ class Run:
         self.groups_made: int = 0
         #: ((url, rank, world size), store): the rendezvous store those groups share in this process.
         self.store: tuple[tuple[str, int, int], Any] | None = None
+        #: split_batches: this rank's share of the batch last handed out (W * part / batch; 0: a rank
+        #: with no sample of it; None: no split batch in use). Models weigh their gradients by it.
+        self.split_weight: float | None = None
         #: Models wrapped in each joined world, innermost last (weakly: a model may go).
         self._wrapped: list[weakref.WeakKeyDictionary[Any, Releasing]] = []
 

@@ -190,3 +190,16 @@ def test_device_context_is_what_set_default_device_and_a_device_block_make():
     finally:
         context.__init__ = original
     assert made == ["meta", "meta"]
+
+
+def test_loss_reduction_reads_a_losss_graph_through_scalings():
+    import torch.nn.functional as F
+
+    out, y = torch.randn(4, 3, requires_grad=True), torch.tensor([0, 1, 2, 0])
+    assert _compat.loss_reduction(F.cross_entropy(out, y)) == "mean"
+    assert _compat.loss_reduction(F.cross_entropy(out, y, reduction="sum") / 2) == "sum"
+    assert _compat.loss_reduction(F.mse_loss(out, torch.zeros(4, 3), reduction="sum")) == "sum"
+    assert _compat.loss_reduction((out**2).sum()) == "sum"
+    assert _compat.loss_reduction((out**2).mean() * 0.5) == "mean"
+    assert _compat.loss_reduction(out.sum() + out.mean()) is None  # (not said: no warning)
+    assert _compat.loss_reduction(torch.tensor(1.0)) is None

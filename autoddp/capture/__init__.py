@@ -44,7 +44,6 @@ from autoddp.capture.saves import Saves, opened_path
 from autoddp.errors import ConfigurationError
 from autoddp.state import CURRENT, RunOptions, World
 
-_LOADER_SEED = "autoddp/capture/loader-seed/"
 #: Where the user's code made a DataLoader (kept in its ``__dict__``, for the notice).
 _SITE = "_autoddp_site"
 
@@ -208,7 +207,8 @@ class Session:
             self.notice.say(
                 ("model", id(root)),
                 f"{name} ({where(self.registry.site(root))}): {self.options.strategy.upper()} across "
-                f"{world.world_size} processes, found through the optimizer at {where(site)}",
+                f"{world.world_size} processes, found through the optimizer at {where(site)}"
+                f"{models.split_note(root)}",
             )
         return optimizers.rebind(items, mapping)
 
@@ -292,11 +292,15 @@ class Session:
                 self.notice.say(("loader", id(loader)), line, captured=False)
                 return
             whole = (loader.sampler, loader.batch_sampler)
-            seed = user_seed(loader, number=self._loaders)  # the run's n-th loader: its own seed
-            shard_loader(loader, world, seed=self._shared_seed(seed, world))
+            if self.options.split_batches:  # one process's batches, in parts: no seed of autoddp's
+                shard_loader(loader, world, split=True)
+            else:
+                number, self._loaders = self._loaders, self._loaders + 1  # the n-th: its own seed
+                seed = loaders.shared_seed(user_seed(loader, number=number), world.rank, number)
+                shard_loader(loader, world, seed=seed, split=False)
             shard = (loader.sampler, loader.batch_sampler)
             loader.__dict__[loaders.Shares.KEY] = loaders.Shares(whole, shard)
-        share = f"each process takes 1/{world.world_size} of every epoch{loaders.padding(loader)}"
+        share = loaders.share(loader, world.world_size)
         if first_pass != loaders.TRAINING:
             line = (
                 f"DataLoader ({where(site)}): shuffled, first iterated outside training (no gradients, "
@@ -306,17 +310,6 @@ class Session:
         else:
             line = f"DataLoader ({where(site)}): sharded, {share}; left whole in evaluation passes"
         self.notice.say(("loader", id(loader)), line)
-
-    def _shared_seed(self, seed: int, world: World) -> int:
-        """Rank 0's shuffle seed for this loader, through the store: rank 0 never waits for it."""
-        number, self._loaders = self._loaders, self._loaders + 1
-        store = _compat.default_store()
-        key = f"{_LOADER_SEED}{number}"
-        if world.rank == 0:
-            store.set(key, str(seed))
-            return seed
-        store.wait([key])
-        return int(store.get(key).decode())
 
     def _save(self, original: Any) -> Any:
         def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
@@ -340,6 +333,8 @@ class Session:
                 return original(*args, **kwargs)
             # the first backward: with no optimizer made yet, which models does it train by hand?
             self.undistributed.backward_checked = True
+            if self.options.split_batches:  # its parts are weighed as means: is it one?
+                models.check_split_loss(args[0] if args else kwargs.get("tensors"))
             if self.optimizers_made:
                 return original(*args, **kwargs)
             roots = candidate_roots(self.registry, sys._getframe(1), CURRENT.wrapped_models())

@@ -58,6 +58,31 @@ def padding(loader: DataLoader) -> str:
     )
 
 
+_LOADER_SEED = "autoddp/capture/loader-seed/"
+
+
+def shared_seed(seed: int, rank: int, number: int) -> int:
+    """Rank 0's shuffle seed for the run's ``number``-th loader, through the store: rank 0 never
+    waits for it."""
+    store = _compat.default_store()
+    key = f"{_LOADER_SEED}{number}"
+    if rank == 0:
+        store.set(key, str(seed))
+        return seed
+    store.wait([key])
+    return int(store.get(key).decode())
+
+
+def share(loader: DataLoader, world_size: int) -> str:
+    """For the notice: what each process takes of a sharded ``loader``."""
+    if type(loader.batch_sampler).__name__ == "SplitBatches":
+        return (
+            f"each process takes its part (1/{world_size}) of every batch: one process's batches, "
+            "steps and len(loader) (split_batches)"
+        )
+    return f"each process takes 1/{world_size} of every epoch{padding(loader)}"
+
+
 #: What a pass beginning now is, for a random loader: it gets all of it, except in training.
 TRAINING, EVALUATING, UNTRAINED = "training", "evaluating", "untrained"
 

@@ -34,7 +34,9 @@ from autoddp.worker.process_group import comm_device
 _SEED_RANGE = 2**62
 
 
-def shard_loader(loader: DataLoader, world: World, *, seed: int | None = None) -> DataLoader:
+def shard_loader(
+    loader: DataLoader, world: World, *, seed: int | None = None, split: bool | None = None
+) -> DataLoader:
     """Return ``loader`` giving this process a disjoint share of each epoch (unchanged with one process).
 
     Every constructor setting, the loader's class and (when it has not been iterated with
@@ -43,6 +45,9 @@ def shard_loader(loader: DataLoader, world: World, *, seed: int | None = None) -
     the shuffle seed comes from the loader's ``generator`` or ``torch.manual_seed``, and every rank
     gets the same number of batches (the last samples are padded with repeats from the start).
     ``seed``: the shuffle seed all ranks agreed on already (else rank 0's is broadcast).
+    ``split`` (default: the run's ``split_batches``): a loader whose order is random keeps one
+    process's batches instead, each rank taking its part of every one (``autoddp.data.split``);
+    a loader in order is sharded as always (evaluation, ``autoddp.gather``).
     """
     if world.world_size <= 1:
         return loader
@@ -69,6 +74,11 @@ def shard_loader(loader: DataLoader, world: World, *, seed: int | None = None) -
             f"already sharded; left as is.{hint}"
         )
         return loader
+
+    if (CURRENT.options.split_batches if split is None else split) and not in_order(loader):
+        from autoddp.data.split import split_loader
+
+        return split_loader(loader, world)
 
     inner = wrapped_batches(loader)
     if inner is not None:
@@ -106,6 +116,18 @@ def shard_loader(loader: DataLoader, world: World, *, seed: int | None = None) -
         object.__setattr__(loader, "batch_sampler", new_batch_sampler)
         return loader
     return _rebuild(loader, new_sampler, new_batch_sampler, user_batches)
+
+
+def in_order(loader: DataLoader) -> bool:
+    """True for a loader that yields its data set in order in plain batches (``shuffle=False``)."""
+    batches = loader.batch_sampler
+    if batches is not None and type(batches) is not BatchSampler:
+        inner = wrapped_batches(loader)
+        if inner is None:
+            return False  # a batch sampler of the user's
+        batches = inner
+    sampler = batches.sampler if batches is not None else loader.sampler
+    return type(sampler) is SequentialSampler
 
 
 def wrapped_batches(loader: DataLoader) -> BatchSampler | None:

@@ -13,7 +13,7 @@ import torch
 
 from autoddp import _compat
 from autoddp.errors import ConfigurationError
-from autoddp.models import _fsdp_state
+from autoddp.models import _fsdp_state, _split
 from autoddp.models.ddp import DDP, check_keywords
 from autoddp.models.fsdp import FSDP, fsdp_api, precision
 from autoddp.models.strategy import PLAIN, Strategy
@@ -146,3 +146,13 @@ def guard_optimizer(optimizer: torch.optim.Optimizer) -> None:
     params = {id(p) for group in optimizer.param_groups for p in group["params"]}
     trained = [m for m in CURRENT.wrapped_models() if any(id(p) in params for p in m.parameters())]
     _averaging.guard(optimizer, trained)
+
+
+def check_split_loss(loss: Any) -> None:
+    """split_batches: warn when the first loss is summed over the batch (a mean is assumed)."""
+    _split.check_loss(loss)
+
+
+def split_note(model: torch.nn.Module) -> str:
+    """split_batches: the notice's words for ``model``'s BatchNorm layers with global statistics."""
+    return _split.note(model)

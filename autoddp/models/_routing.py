@@ -28,7 +28,8 @@ from typing import Any, Protocol
 import torch
 
 from autoddp import _warn
-from autoddp.models import _class_swap
+from autoddp.models import _class_swap, _split
+from autoddp.state import CURRENT
 
 #: Where the DDP and its replica live in the module's ``__dict__``.
 DDP_ATTR = "_autoddp_ddp"
@@ -78,7 +79,10 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     _ROUTING.calls += 1
     replica.forwards += 1
     try:
-        return ddp(*args, **kwargs)
+        result = ddp(*args, **kwargs)
+        if CURRENT.split_weight is not None:  # split_batches: this rank's part weighs its share
+            _split.weigh(result, CURRENT.split_weight)
+        return result
     except RuntimeError as error:
         explained = replica.explain(error, self)
         if explained is error:

@@ -28,7 +28,7 @@ import torch
 from autoddp import _compat, _warn
 from autoddp.environment import hardware
 from autoddp.errors import ConfigurationError
-from autoddp.models import _class_swap, _routing
+from autoddp.models import _class_swap, _routing, _split
 from autoddp.models.strategy import Strategy
 from autoddp.state import CURRENT, RunOptions, World
 from autoddp.worker import placement
@@ -212,13 +212,15 @@ def wrap_model(
     ddp_kwargs: Mapping[str, Any] | None = None,
     sync_batchnorm: bool = False,
     move: bool = True,
+    split_batches: bool = False,
 ) -> torch.nn.Module:
     """Return ``module`` on this process's device, its gradients synchronised across the world.
 
     With one process the module is moved and given the swapped class only (``no_sync`` is then
     a no-op). A model that is already wrapped (by autoddp or in a DistributedDataParallel) is
     returned unchanged. ``move=False`` (capture) leaves the module where the user put it, and
-    refuses one that sits on another process's GPU.
+    refuses one that sits on another process's GPU. ``split_batches``: BatchNorm layers use the
+    global batch's statistics (``_split``).
     """
     if isinstance(module, torch.nn.parallel.DistributedDataParallel):
         return module
@@ -231,7 +233,9 @@ def wrap_model(
         _class_swap.redirect_compiled(module)
         module = inner
     distributed = world.world_size > 1
-    if distributed and sync_batchnorm:
+    if distributed and split_batches:
+        sync_batchnorm = _split.convert_batchnorms(module) > 0 or sync_batchnorm  # (no hint due)
+    elif distributed and sync_batchnorm:
         if not world.device.startswith("cuda"):
             raise ConfigurationError(
                 "sync_batchnorm=True needs CUDA devices: torch's SyncBatchNorm does not run on the CPU. "
@@ -323,6 +327,7 @@ def release(model: torch.nn.Module) -> None:
     releases every wrapped model first.
     """
     _routing.unswap(model)
+    _split.restore_batchnorms(model)
 
 
 class DDPStrategy(Strategy):
@@ -334,7 +339,12 @@ class DDPStrategy(Strategy):
         self, module: torch.nn.Module, world: World, options: RunOptions, *, move: bool = True
     ) -> torch.nn.Module:
         return wrap_model(
-            module, world, ddp_kwargs=options.ddp_kwargs, sync_batchnorm=options.sync_batchnorm, move=move
+            module,
+            world,
+            ddp_kwargs=options.ddp_kwargs,
+            sync_batchnorm=options.sync_batchnorm,
+            move=move,
+            split_batches=options.split_batches,
         )
 
     def distributed(self, model: torch.nn.Module) -> bool:

@@ -31,10 +31,13 @@ class Streams:
     python_state: bytes
     numpy_state: bytes | None
     torch_initial_seed: int
+    #: split_batches: the caller's states themselves (pickled), which rank 0 continues as its own.
+    states: bytes | None = None
 
 
-def of_caller() -> Streams:
-    """The caller's random states, digested (nothing is drawn from them)."""
+def of_caller(keep: bool = False) -> Streams:
+    """The caller's random states, digested (nothing is drawn from them); ``keep``: the states too,
+    for rank 0 to continue them as one process would (``split_batches``)."""
     numpy = sys.modules.get("numpy")
     numpy_state = None
     if numpy is not None:
@@ -44,12 +47,34 @@ def of_caller() -> Streams:
         python_state=_digest(pickle.dumps(random.getstate(), protocol=pickle.HIGHEST_PROTOCOL)),
         numpy_state=numpy_state,
         torch_initial_seed=torch.initial_seed(),
+        states=pickle.dumps(_states(), protocol=pickle.HIGHEST_PROTOCOL) if keep else None,
     )
 
 
+def _states() -> tuple:
+    numpy = sys.modules.get("numpy")
+    return torch.get_rng_state(), random.getstate(), numpy.random.get_state() if numpy else None
+
+
+def _set_states(states: tuple) -> None:
+    torch.set_rng_state(states[0])
+    random.setstate(states[1])
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and states[2] is not None:
+        numpy.random.set_state(states[2])
+
+
 def seed_worker(streams: Streams, rank: int) -> int:
-    """Seed torch, ``random`` and NumPy for worker ``rank``; returns the torch seed it set."""
+    """Seed torch, ``random`` and NumPy for worker ``rank``; returns the torch seed it set.
+
+    With the caller's states kept (``split_batches``), rank 0 continues them instead: it draws what
+    one process would (the model's first weights, the sampler's order, which the other ranks take
+    from it); the others get seeds of their own, as always.
+    """
     seed = derive(streams.torch_state, rank)
+    if rank == 0 and streams.states is not None:
+        _set_states(pickle.loads(streams.states))
+        return torch.initial_seed()
     torch.manual_seed(seed)
     random.seed(derive(streams.python_state, rank))
     if streams.numpy_state is not None:
