@@ -329,22 +329,30 @@ class Session:
 
     def _backward(self, original: Any) -> Any:
         def backward(*args: Any, **kwargs: Any) -> Any:
-            if self.undistributed.backward_checked or self.busy:
+            if self.busy:
                 return original(*args, **kwargs)
-            # the first backward: with no optimizer made yet, which models does it train by hand?
-            self.undistributed.backward_checked = True
-            if self.options.split_batches:  # its parts are weighed as means: is it one?
-                models.check_split_loss(args[0] if args else kwargs.get("tensors"))
-            if self.optimizers_made:
-                return original(*args, **kwargs)
-            roots = candidate_roots(self.registry, sys._getframe(1), CURRENT.wrapped_models())
-            before = grad_versions(roots)
-            result = original(*args, **kwargs)
-            site, distributed = user_site(sys._getframe(1)), bool(CURRENT.wrapped_models())
-            self.undistributed.after_first_backward(self.notice, roots, before, site, distributed)
+            if self.undistributed.backward_checked:
+                result = original(*args, **kwargs)
+            else:
+                result = self._first_backward(original, sys._getframe(1), args, kwargs)
+            if self.options.split_batches:  # loss.item() then prints the global batch's loss
+                models.show_split_loss_whole(args[0] if args else kwargs.get("tensors"))
             return result
 
         return backward
+
+    def _first_backward(self, original: Any, frame: Any, args: Any, kwargs: Any) -> Any:
+        """With no optimizer made yet, which models does the first backward train by hand?"""
+        self.undistributed.backward_checked = True
+        if self.options.split_batches:  # its parts are weighed as means: is it one?
+            models.check_split_loss(args[0] if args else kwargs.get("tensors"))
+        if self.optimizers_made:
+            return original(*args, **kwargs)
+        roots = candidate_roots(self.registry, frame, CURRENT.wrapped_models())
+        before, result = grad_versions(roots), original(*args, **kwargs)
+        wrapped = bool(CURRENT.wrapped_models())
+        self.undistributed.after_first_backward(self.notice, roots, before, user_site(frame), wrapped)
+        return result
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self.busy and self.undistributed.at_step:

@@ -153,6 +153,11 @@ def check_split_loss(loss: Any) -> None:
     _split.check_loss(loss)
 
 
+def show_split_loss_whole(loss: Any) -> None:
+    """split_batches: after its backward, ``loss`` holds the global batch's value (every rank calls it)."""
+    _split.show_whole(loss)
+
+
 def split_note(model: torch.nn.Module) -> str:
     """split_batches: the notice's words for ``model``'s BatchNorm layers with global statistics."""
     return _split.note(model)

@@ -54,6 +54,19 @@ def _zero(grad: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(grad)  # (not grad * 0: a NaN would stay NaN)
 
 
+def show_whole(loss: Any) -> None:
+    """After the backward of a split batch's loss: its value becomes the global batch's (the
+    ranks' parts weighed, one all-reduce of a scalar), so ``loss.item()`` prints what one process
+    would; its gradients were taken from this rank's part already. Every rank calls it."""
+    weight, world = CURRENT.split_weight, CURRENT.world
+    if weight is None or world is None or not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        return
+    share = loss.detach().reshape(1).to(torch.float64 if loss.device.type == "cpu" else loss.dtype)
+    share = share * (weight / world.world_size)  # (weight 0, an empty part's stand-in: nothing)
+    dist.all_reduce(share)
+    loss.data.copy_(share.reshape(loss.shape))  # (.data: no version bump for a graph kept alive)
+
+
 def check_loss(loss: Any) -> None:
     """Warn when ``loss`` is summed over the batch: weighing the parts assumes a mean."""
     if _compat.loss_reduction(loss) != "sum":
