@@ -146,8 +146,8 @@ def test_an_unchanged_script_under_split_batches_is_the_single_process_run(
 
 
 class Data(Dataset):
-    def __init__(self, n):
-        g = torch.Generator().manual_seed(1)
+    def __init__(self, n, *, at_random=False):
+        g = None if at_random else torch.Generator().manual_seed(1)  # at_random: torch's own stream
         self.x, self.y = torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
 
     def __len__(self):
@@ -157,21 +157,25 @@ class Data(Dataset):
         return self.x[i], self.y[i], i
 
 
-def _build():
+def _build(at_random=False):
     layers = [nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3)]
-    return nn.Sequential(*layers), DataLoader(Data(42), batch_size=8, shuffle=True)  # last batch: 2
+    data = Data(43 if at_random else 42, at_random=at_random)  # last batch: 3 (uneven), 2
+    return nn.Sequential(*layers), DataLoader(data, batch_size=8, shuffle=True)
 
 
-def _train(out, *, seed=True, prepared=False, given=None):
-    """Builds everything (or takes ``given``), trains 3 epochs and writes its rows (plain code)."""
+def _train(out, *, seed=True, prepared=False, given=None, plain=False):
+    """Builds everything (or takes ``given``), trains 3 epochs and writes its rows (plain code).
+
+    ``plain``: the data made from torch's own stream, and no ``len(loader)`` before the first
+    pass (the loader is split at its first ``iter``, and that first pass is weighed too)."""
     if seed:
         torch.manual_seed(0)
-    model, loader = given if given is not None else _build()
+    model, loader = given if given is not None else _build(at_random=plain)
     if prepared:
         model, loader = autoddp.prepare((model, loader), split_batches=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    rows = [{"len": len(loader)}]
+    rows = [{"len": None if plain else len(loader)}]
     for _ in range(3):
         for x, y, i in loader:
             loss = nn.functional.cross_entropy(model(x), y)
@@ -180,6 +184,7 @@ def _train(out, *, seed=True, prepared=False, given=None):
             opt.step()
             rows.append({"loss": loss.item(), "indices": i.tolist()})
         schedule.step()
+    rows[0]["len"] = len(loader)
     rows.append({k: v.tolist() for k, v in autoddp.unwrap(model).state_dict().items()})
     with open(os.path.join(out, f"rank{autoddp.rank()}.json"), "w") as f:
         json.dump(rows, f)
@@ -191,17 +196,29 @@ _spawned_train = autoddp.distributed(nproc=2, split_batches=True, start_method="
 
 
 @pytest.mark.parametrize(
-    ("seed", "fn"),
-    [(True, _split_train), (False, _split_train), (False, _spawned_train)],
-    ids=["seeded-inside", "seeded-by-the-caller", "seeded-by-the-caller-spawned"],
+    ("seed", "fn", "plain"),
+    [
+        (True, _split_train, False),
+        (False, _split_train, False),
+        (False, _spawned_train, False),
+        (True, _split_train, True),
+        (False, _split_train, True),
+    ],
+    ids=[
+        "seeded-inside",
+        "seeded-by-the-caller",
+        "seeded-by-the-caller-spawned",
+        "seeded-inside-random-data-no-len",
+        "seeded-by-the-caller-random-data-no-len",
+    ],
 )
-def test_a_decorated_function_that_builds_everything_is_the_single_process_run(tmp_path, seed, fn):
+def test_a_decorated_function_that_builds_everything_is_the_single_process_run(tmp_path, seed, fn, plain):
     (tmp_path / "one").mkdir()
     (tmp_path / "many").mkdir()
     torch.manual_seed(0)
-    _train(str(tmp_path / "one"), seed=seed)
-    torch.manual_seed(0)  # rank 0 continues the caller's streams, as one process would
-    fn(str(tmp_path / "many"), seed=seed)
+    _train(str(tmp_path / "one"), seed=seed, plain=plain)
+    torch.manual_seed(0)  # every rank continues the caller's streams, as one process would
+    fn(str(tmp_path / "many"), seed=seed, plain=plain)
     assert_same_run(_read(tmp_path / "one", 1)[0], _read(tmp_path / "many", 2), tolerance=1e-4)
 
 

@@ -6,17 +6,15 @@ patches it installs and removes around that code only:
 - ``torch.optim.Optimizer.__init__`` and ``add_param_group``: the modules owning the optimizer's
   parameters are wrapped as ``prepare`` wraps them, where they are (``optimizers``);
 - ``DataLoader.__init__``: the line that made a loader is remembered, for the notice;
-- ``DataLoader.__iter__`` and ``__len__``: a random loader is sharded at its first iteration (or
-  when its length is first asked, as a scheduler's steps per epoch), an ordered one left whole;
-  a pass that begins in an evaluation context (no gradients, every model in ``eval()``) gets all
-  of a random loader (``loaders``);
+- ``DataLoader.__iter__`` and ``__len__``: a random loader is sharded (or split) at its first
+  iteration or length, an ordered one left whole; a pass that begins in an evaluation context
+  gets all of a random loader (``loaders``);
 - ``torch.save`` to a path: written once, by rank 0, atomically (``saves``);
-- ``DistributedDataParallel.__init__``: a user's own DDP around a captured model takes over from
-  autoddp's (never two);
+- ``DistributedDataParallel.__init__``: a user's own DDP takes over from autoddp's (never two);
 - ``torch.autograd.backward`` (its first call) and every optimizer step (torch's public global
   step hook): what could not be distributed is said (``_undistributed``);
-- in a script, ``init_process_group``: the user's own group turns capture off (a torchrun-style
-  script is left alone), one called after autoddp had to make the group is a clear error.
+- in a script, ``init_process_group``: the user's own group turns capture off, one called after
+  autoddp had to make the group is a clear error.
 
 In a script the process group is made at the first moment capture needs it (``join``).
 """
@@ -41,6 +39,7 @@ from autoddp.capture._registry import DEPTH, Registry, user_site
 from autoddp.capture._undistributed import Undistributed, caller_site, candidate_roots, grad_versions
 from autoddp.capture.passes import Passes
 from autoddp.capture.saves import Saves, opened_path
+from autoddp.data import split
 from autoddp.errors import ConfigurationError
 from autoddp.state import CURRENT, RunOptions, World
 
@@ -71,12 +70,10 @@ class Session:
         self._constructing: set[int] = set()  # optimizers in __init__ (its add_param_group calls)
         self._loaders = 0
         self.optimizers_made = 0  # by the user's code, in this session
-        self.notice: Notice | None = None
         self.saves: Saves | None = None
         known = world or planned
         self.undistributed = Undistributed(known.world_size if known is not None else 0)
-        if planned is not None:
-            self.notice = Notice(planned.rank, planned.world_size)
+        self.notice: Notice | None = None if planned is None else Notice(planned.rank, planned.world_size)
         self.passes = Passes()  # batches per pass of IterableDataset loaders: who ran out first
         self.devices = devices.Devices(known, lambda: self.notice)  # cuda:0 habits: the own GPU
         if world is not None:
@@ -143,9 +140,8 @@ class Session:
         if self.notice is None:
             self.notice = Notice(self._world.rank, self._world.world_size)
         if self.saves is None:
-            self.saves = Saves(
-                self._world.rank, self._world.local_rank, self._world.world_size, self._world.local_world_size
-            )
+            here = self._world
+            self.saves = Saves(here.rank, here.local_rank, here.world_size, here.local_world_size)
         return self._world
 
     # --- the hooks ----------------------------------------------------------------------------
@@ -224,9 +220,12 @@ class Session:
         def __iter__(loader: DataLoader) -> Any:
             if self.busy:
                 return original(loader)
+            fresh = not split.is_split(loader)
             site = loader.__dict__.get(_SITE) or user_site(sys._getframe(1))
             whole_while_training = self._begin_pass(loader, site)
             iterator = self.passes.watch(loader, original)
+            if fresh and split.is_split(loader):  # split just now: its first pass weighed too
+                iterator = split.weighed(loader, iterator)
             # a whole pass while gradients are on may be training: an optimizer step in it is said
             self.undistributed.begin_pass(site if whole_while_training else None, iterator)
             return iterator

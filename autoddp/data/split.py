@@ -202,9 +202,18 @@ def split_loader(loader: DataLoader, world: World) -> DataLoader:
     return loader
 
 
+def is_split(loader: DataLoader) -> bool:
+    """True for a loader ``split_loader`` gave its parts of one process's batches."""
+    return type(loader).__dict__.get("__iter__") is _iter
+
+
 def _iter(self: DataLoader) -> Any:
     plain = getattr(type(self), _class_swap.PLAIN_CLASS)
-    iterator = plain.__iter__(self)  # (through capture's hook, when capture is on)
+    return weighed(self, plain.__iter__(self))  # (through capture's hook, when capture is on)
+
+
+def weighed(self: DataLoader, iterator: Any) -> Any:
+    """``iterator`` over split ``self``, setting each batch's weight as it reaches the user."""
     batches = self.batch_sampler
     if not isinstance(batches, SplitBatches):  # an evaluation pass that got all of it (capture)
         CURRENT.split_weight = None

@@ -67,12 +67,12 @@ def _set_states(states: tuple) -> None:
 def seed_worker(streams: Streams, rank: int) -> int:
     """Seed torch, ``random`` and NumPy for worker ``rank``; returns the torch seed it set.
 
-    With the caller's states kept (``split_batches``), rank 0 continues them instead: it draws what
-    one process would (the model's first weights, the sampler's order, which the other ranks take
-    from it); the others get seeds of their own, as always.
+    With the caller's states kept (``split_batches``), every rank continues them instead: each
+    draws what one process would (the model's first weights, data the function makes at random,
+    a ``random_split``, the sampler's order), as every rank of a script seeded at its top does.
     """
     seed = derive(streams.torch_state, rank)
-    if rank == 0 and streams.states is not None:
+    if streams.states is not None:
         _set_states(pickle.loads(streams.states))
         return torch.initial_seed()
     torch.manual_seed(seed)
