@@ -1,0 +1,193 @@
+"""Faults on two hosts for real (the network namespaces of tests/test_clusters_hosts.py): a node that
+never starts, an exception on node 1, a worker of node 1 that fails once with restarts allowed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+from cluster_tools import HOSTS
+from test_clusters_hosts import _port, _start, hosts  # noqa: F401 - the fixture, used by name
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def _master() -> str:
+    return f"{HOSTS[0][1]}:{_port()}"
+
+
+def _ended(started: list[subprocess.Popen], timeout: float = 120) -> list[tuple[int, str, str, float]]:
+    """(exit status, stdout, stderr, when it ended) of each process; none is left behind."""
+    found: dict[int, tuple] = {}
+    try:
+        deadline = time.monotonic() + timeout
+        while len(found) < len(started) and time.monotonic() < deadline:
+            for n, p in enumerate(started):
+                if n not in found and p.poll() is not None:
+                    found[n] = (p.returncode, time.monotonic())
+            time.sleep(0.05)
+    finally:
+        for p in started:
+            p.kill()
+    runs = []
+    for n, p in enumerate(started):
+        out, err = p.communicate()
+        code, when = found.get(n, (None, float("inf")))
+        runs.append((code, out, err, when))
+    return runs
+
+
+def _command(master: str, script, *extra: str):
+    return lambda node: [
+        *("autoddp", "--nnodes", "2", "--node-rank", str(node), "--master", master, "-n", "1"),
+        *extra,
+        str(script),
+    ]
+
+
+#: A decorated function on two nodes of one worker; ``python this.py NODE MASTER JOIN RESTARTS
+#: FAILS``: rank 1 calls sys.exit(3) in its first FAILS attempts, or raises (FAILS -1).
+DECORATED = """
+import json, os, sys, torch, torch.distributed as dist, autoddp
+
+node, master, join = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+restarts, fails = int(sys.argv[4]), int(sys.argv[5])
+
+def check(rank):
+    if rank == 1 and fails < 0:
+        raise ValueError(f"bad batch on rank {rank}")
+    if rank == 1 and int(os.environ["TORCHELASTIC_RESTART_COUNT"]) < fails:
+        sys.exit(3)
+
+@autoddp.distributed(
+    nproc=1, nnodes=2, node_rank=node, master=master, join_timeout=join, max_restarts=restarts
+)
+def train():
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    check(autoddp.rank())
+    dist.all_reduce(t)
+    return t.item()
+
+try:
+    sys.stdout.write("RESULT " + json.dumps(train()) + "\\n")
+except BaseException as error:
+    cause = str(error.__cause__ or "")
+    found = {"type": type(error).__name__, "text": str(error), "notes": getattr(error, "__notes__", []),
+             "cause": cause}
+    sys.stdout.write("FAILED " + json.dumps(found) + "\\n")
+    sys.exit(1)
+"""
+
+#: The same for a torchrun-style script: ``python this.py FAILS``.
+PLAIN = """
+import os, sys, torch, torch.distributed as dist
+
+fails = int(sys.argv[1])
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+
+def check(rank):
+    if rank == 1 and fails < 0:
+        raise ValueError(f"bad batch on rank {rank}")
+    if rank == 1 and int(os.environ["TORCHELASTIC_RESTART_COUNT"]) < fails:
+        sys.exit(3)
+
+check(dist.get_rank())
+dist.all_reduce(t)
+sys.stdout.write(f"RESULT {t.item()}\\n")
+"""
+
+
+@pytest.fixture
+def scripts(hosts, tmp_path):  # noqa: F811
+    paths = {}
+    for name, text in (("decorated", DECORATED), ("plain", PLAIN)):
+        paths[name] = tmp_path / f"{name}.py"
+        paths[name].write_text(text)
+    return paths
+
+
+def _fronts(scripts, master: str, fails: int, join: float = 60, restarts: int = 0):
+    """{front: command(node)} for the command and the decorator."""
+    return {
+        "command": lambda node: [
+            *_command(master, scripts["plain"], "--join-timeout", str(join), "--max-restarts", str(restarts))(
+                node
+            ),
+            str(fails),
+        ],
+        "decorator": lambda node: [
+            *("python", str(scripts["decorated"]), str(node), master, str(join), str(restarts), str(fails))
+        ],
+    }
+
+
+@pytest.mark.parametrize("front", ["command", "decorator"])
+def test_node1_never_starts_node0_names_it_and_gives_up(scripts, front):
+    command = _fronts(scripts, _master(), fails=0, join=20)[front]
+    started = time.monotonic()
+    node0 = _start(0, command(0))
+    try:
+        lines = []
+        for line in node0.stderr:
+            lines.append(line)
+            if "waiting for node 1 of 2" in line:
+                break
+        said = time.monotonic() - started
+        (code, out, err, ended) = _ended([node0], timeout=60)[0]
+    finally:
+        node0.kill()
+        node0.communicate()
+    err = "".join(lines) + err
+    assert "waiting for node 1 of 2 to join the rendezvous at" in err, err
+    assert said < 10 + 5, (said, err)  # (the interpreter and torch take seconds to start here)
+    assert code == 1 and ended - started < 20 + 15, (code, ended - started, err)
+    assert "node 1 of 2 did not join the rendezvous at" in err + out
+    assert "within the join timeout (20 s)" in err + out
+    assert "--join-timeout" in err + out and "Traceback" not in err
+    if front == "decorator":
+        assert json.loads(out.partition("FAILED ")[2])["type"] == "NodesError"
+
+
+@pytest.mark.parametrize("front", ["command", "decorator"])
+def test_an_exception_on_node1_reaches_node0_with_its_traceback(scripts, front):
+    command = _fronts(scripts, _master(), fails=-1)[front]
+    runs = _ended([_start(node, command(node)) for node in (0, 1)])
+    (code0, out0, err0, _), (code1, _, err1, _) = runs
+    assert code0 == code1 == 1, (err0[-3000:], err1[-3000:])
+    if front == "command":
+        assert "Traceback of rank 1 of 2 (the worker that raised)" in err0, err0
+        assert 'raise ValueError(f"bad batch on rank {rank}")' in err0
+        assert "autoddp: ValueError: [rank 1 of 2] bad batch on rank 1 (on node 1)" in err0, err0
+        assert "rank 1 runs on node 1 of 2: the failure began there" in err0
+    else:
+        found = json.loads(out0.partition("FAILED ")[2])
+        assert found["type"] == "ValueError" and found["text"] == "[rank 1 of 2] bad batch on rank 1", found
+        assert any("rank 1 runs on node 1 of 2: the failure began there" in n for n in found["notes"])
+        assert "Traceback of rank 1 of 2" in found["cause"] and "in check" in found["cause"], found
+
+
+@pytest.mark.parametrize("front", ["command", "decorator"])
+def test_node1_fails_once_with_a_restart_both_nodes_finish(scripts, front):
+    command = _fronts(scripts, _master(), fails=1, restarts=1)[front]
+    runs = _ended([_start(node, command(node)) for node in (0, 1)])
+    (code0, out0, err0, _), (code1, _, err1, _) = runs
+    assert code0 == code1 == 0, (err0[-3000:], err1[-3000:])
+    assert "RESULT 4.0" in out0
+    lines = [line for line in err0.splitlines() if "restart" in line]
+    assert lines == ["autoddp: restart 1 of 1 after rank 1 on node 1 exited with code 3"], err0
+
+
+@pytest.mark.parametrize("front", ["command", "decorator"])
+def test_restarts_used_up_both_nodes_end_within_seconds(scripts, front):
+    command = _fronts(scripts, _master(), fails=5, restarts=1)[front]
+    runs = _ended([_start(node, command(node)) for node in (0, 1)])
+    (code0, _, err0, end0), (code1, _, err1, end1) = runs
+    assert code0 not in (0, None) and code1 not in (0, None), (err0[-3000:], err1[-3000:])
+    assert abs(end0 - end1) < 10, (end0 - end1, err0[-3000:])
+    assert "restart 1 of 1 after rank 1 on node 1 exited with code 3" in err0
+    assert "rank 1 of 2 called sys.exit(3)" in err0, err0
