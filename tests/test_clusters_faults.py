@@ -4,6 +4,7 @@ never starts, an exception on node 1, a worker of node 1 that fails once with re
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 
@@ -48,7 +49,7 @@ def _command(master: str, script, *extra: str):
 
 
 #: A decorated function on two nodes of one worker; ``python this.py NODE MASTER JOIN RESTARTS
-#: FAILS``: rank 1 calls sys.exit(3) in its first FAILS attempts, or raises (FAILS -1).
+#: FAILS``: rank 1 calls sys.exit(3) in its first FAILS attempts, or raises (FAILS -1), or is killed (-2).
 DECORATED = """
 import json, os, sys, torch, torch.distributed as dist, autoddp
 
@@ -56,6 +57,8 @@ node, master, join = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
 restarts, fails = int(sys.argv[4]), int(sys.argv[5])
 
 def check(rank):
+    if rank == 1 and fails == -2:
+        os.kill(os.getpid(), 9)
     if rank == 1 and fails < 0:
         raise ValueError(f"bad batch on rank {rank}")
     if rank == 1 and int(os.environ["TORCHELASTIC_RESTART_COUNT"]) < fails:
@@ -91,6 +94,8 @@ t = torch.ones(1)
 dist.all_reduce(t)
 
 def check(rank):
+    if rank == 1 and fails == -2:
+        os.kill(os.getpid(), 9)
     if rank == 1 and fails < 0:
         raise ValueError(f"bad batch on rank {rank}")
     if rank == 1 and int(os.environ["TORCHELASTIC_RESTART_COUNT"]) < fails:
@@ -169,6 +174,17 @@ def test_an_exception_on_node1_reaches_node0_with_its_traceback(scripts, front):
         assert found["type"] == "ValueError" and found["text"] == "[rank 1 of 2] bad batch on rank 1", found
         assert any("rank 1 runs on node 1 of 2: the failure began there" in n for n in found["notes"])
         assert "Traceback of rank 1 of 2" in found["cause"] and "in check" in found["cause"], found
+
+
+def test_a_rank_killed_on_node1_is_named_on_node0_without_a_traceback_promised(scripts):
+    command = _fronts(scripts, _master(), fails=-2)["command"]
+    runs = _ended([_start(node, command(node)) for node in (0, 1)])
+    (code0, _, err0, end0), (code1, _, err1, end1) = runs
+    assert code0 == code1 == 1, (err0[-3000:], err1[-3000:])
+    assert re.search(r"autoddp: rank 1 of 2 \(pid \d+\) was killed by SIGKILL", err0), err0
+    assert "rank 1 runs on node 1 of 2: the failure began there" in err0
+    assert "traceback is above" not in err0 + err1, (err0, err1)
+    assert abs(end0 - end1) < 10
 
 
 @pytest.mark.parametrize("front", ["command", "decorator"])

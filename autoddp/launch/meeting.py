@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import pickle
 import time
 from collections.abc import Callable
 from typing import Any
 
-from autoddp.errors import NodesError
+from autoddp.errors import NodesError, WorkerError
 from autoddp.launch.output import one_line, say
 from autoddp.launch.plan import DEFAULT_JOIN_TIMEOUT
 from autoddp.worker import transport
@@ -134,38 +135,56 @@ class Meeting:
             return 0
 
     def shutdown(self) -> bool:
-        """This node's agent ends its run: its workers' root cause (if they failed) goes to the
+        """This node's agent ends its run: its workers' root cause (if one raised) goes to the
         store, then the word that it ended, so that the others stop waiting for it."""
         if self.store is not None:
             with contextlib.suppress(Exception):
                 report = self._lead_report()
                 if report is not None:
                     self.store.set(f"{self.prefix}failure/{self.node_rank}", pickle.dumps(report))
+                    self.store.set(f"{self.prefix}told/{self.node_rank}", "1")
                 self.store.set(f"{self.prefix}ended/{self.node_rank}", "1")
         self._stores.clear()
         return True
 
-    def causes_elsewhere(self, wait: float = REMOTE_WAIT) -> dict[int, transport.ErrorReport]:
-        """The root causes other nodes published, by node, waiting up to ``wait`` seconds for a node
-        that has not ended yet (a node that ended without one had none: its workers were killed)."""
-        found: dict[int, transport.ErrorReport] = {}
+    def tell(self, lead: BaseException) -> None:
+        """After this node's triage: a worker that died without an exception (killed, ``os._exit``)
+        is told to the others too (a raised one was told at ``shutdown``)."""
+        with contextlib.suppress(Exception):
+            if self.store is None or self.store.check([f"{self.prefix}told/{self.node_rank}"]):
+                return
+            if isinstance(lead, WorkerError):
+                death = {
+                    "message": str(lead),
+                    "rank": lead.rank,
+                    "exitcode": lead.exitcode,
+                    "signal": lead.signal,
+                }
+                self.store.set(f"{self.prefix}death/{self.node_rank}", json.dumps(death))
+            self.store.set(f"{self.prefix}told/{self.node_rank}", "1")
+
+    def causes_elsewhere(self, wait: float = REMOTE_WAIT) -> dict[int, Any]:
+        """What the other nodes told of their failures, by node: an ``ErrorReport`` (a raised
+        exception) or a ``WorkerError`` (a worker that died without one); waiting up to ``wait``
+        seconds for nodes that have not told yet (a lost node never does)."""
+        found: dict[int, Any] = {}
         if self.store is None:
             return found
         deadline = time.monotonic() + wait
-        try:
+        with contextlib.suppress(Exception):  # (the store went away with node 0)
             while True:
-                for node in self._others():
-                    key = f"{self.prefix}failure/{node}"
-                    if node not in found and self.store.check([key]):
-                        found[node] = pickle.loads(self.store.get(key))
-                done = [n for n in self._others() if self.store.check([f"{self.prefix}ended/{n}"])]
-                if any(not r.is_consequence for r in found.values()) or len(done) == len(self._others()):
-                    return found
-                if time.monotonic() >= deadline:
-                    return found
+                told = [n for n in self._others() if self.store.check([f"{self.prefix}told/{n}"])]
+                if len(told) == len(self._others()) or time.monotonic() >= deadline:
+                    break
                 time.sleep(_POLL)
-        except Exception:  # the store went away with node 0
-            return found
+            for node in self._others():
+                failure, death = f"{self.prefix}failure/{node}", f"{self.prefix}death/{node}"
+                if self.store.check([failure]):
+                    found[node] = pickle.loads(self.store.get(failure))
+                elif self.store.check([death]):
+                    fields = json.loads(self.store.get(death))
+                    found[node] = WorkerError(fields.pop("message"), **fields)
+        return found
 
     def _others(self) -> list[int]:
         return [r for r in range(self.nnodes) if r != self.node_rank]

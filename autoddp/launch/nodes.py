@@ -17,7 +17,7 @@ from typing import Any
 
 from autoddp._leftovers import private_folder
 from autoddp.environment import hardware, network
-from autoddp.errors import NodesError
+from autoddp.errors import NodesError, WorkerError
 from autoddp.hang import record as hang_record
 from autoddp.hang.combine import Exchange
 from autoddp.hang.watch import Watch
@@ -152,19 +152,28 @@ def _began_elsewhere(lead: BaseException, met: meeting.Meeting | None, world_siz
     failed first there, with its traceback, as on one machine."""
     if met is None:
         return lead
+    met.tell(lead)
     if not isinstance(lead, NodesError) and failures.ELSEWHERE_NOTE not in getattr(lead, "__notes__", ()):
         return lead  # the cause is here
-    # (a timeout elsewhere is that node's own business: its hang report and triage name the late rank)
-    causes = {n: r for n, r in met.causes_elsewhere().items() if not (r.is_consequence or r.is_timeout)}
-    if not causes:
+    told = met.causes_elsewhere()
+    # a raised exception first, by time; a timeout elsewhere is that node's own business (its hang
+    # report and triage name the late rank); else a worker that died there
+    raised = {n: r for n, r in told.items() if isinstance(r, transport.ErrorReport)}
+    causes = {n: r for n, r in raised.items() if not (r.is_consequence or r.is_timeout)}
+    deaths = {n: e for n, e in told.items() if isinstance(e, WorkerError)}
+    if causes:
+        node, cause = min(causes.items(), key=lambda item: item[1].time)
+        error, rank = cause.rebuild(world_size), cause.rank
+    elif deaths:
+        node, error = min(deaths.items())
+        rank = error.rank
+    else:
         return lead
-    node, cause = min(causes.items(), key=lambda item: item[1].time)
-    error = cause.rebuild(world_size)
     with contextlib.suppress(AttributeError, TypeError):
         error.autoddp_node = node  # type: ignore[attr-defined]
     if hasattr(error, "add_note"):
         error.add_note(
-            f"autoddp: rank {cause.rank} runs on node {node} of {met.nnodes}: the failure began there "
+            f"autoddp: rank {rank} runs on node {node} of {met.nnodes}: the failure began there "
             + (
                 f"(this node stopped when node {node} ended its run)"
                 if isinstance(lead, NodesError)
