@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import time
 
@@ -207,3 +208,33 @@ def test_restarts_used_up_both_nodes_end_within_seconds(scripts, front):
     assert abs(end0 - end1) < 10, (end0 - end1, err0[-3000:])
     assert "restart 1 of 1 after rank 1 on node 1 exited with code 3" in err0
     assert "rank 1 of 2 called sys.exit(3)" in err0, err0
+
+
+LONG = """
+import sys, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+for step in range(3000):
+    dist.all_reduce(torch.ones(1))
+    if step == 0:
+        sys.stdout.write("training\\n")
+        sys.stdout.flush()
+    time.sleep(0.05)
+"""
+
+
+def test_node1_stopped_with_ctrl_c_node0_says_so_at_once(hosts, tmp_path):  # noqa: F811
+    script = tmp_path / "long.py"
+    script.write_text(LONG)
+    command = _command(_master(), script)
+    started = [_start(node, command(node)) for node in (0, 1)]
+    try:
+        for p in started:
+            assert p.stdout.readline() == "training\n"
+        started[1].send_signal(signal.SIGINT)
+        stopped = time.monotonic()
+    finally:
+        runs = _ended(started, timeout=60)
+    (code0, _, err0, end0), (code1, _, err1, _) = runs
+    assert (code0, code1) == (1, 130), (err0[-3000:], err1[-3000:])
+    assert "autoddp: node 1 of 2 was stopped (SIGINT to its autoddp): the run ended there" in err0, err0
+    assert "traceback is above" not in err0 and end0 - stopped < 10

@@ -163,9 +163,17 @@ class Meeting:
                 self.store.set(f"{self.prefix}death/{self.node_rank}", json.dumps(death))
             self.store.set(f"{self.prefix}told/{self.node_rank}", "1")
 
+    def tell_stopped(self, name: str) -> None:
+        """This node's launcher was stopped by signal ``name``: the others are told at once."""
+        with contextlib.suppress(Exception):
+            if self.store is not None:
+                self.store.set(f"{self.prefix}stopped/{self.node_rank}", name)
+                self.store.set(f"{self.prefix}told/{self.node_rank}", "1")
+
     def causes_elsewhere(self, wait: float = REMOTE_WAIT) -> dict[int, Any]:
         """What the other nodes told of their failures, by node: an ``ErrorReport`` (a raised
-        exception) or a ``WorkerError`` (a worker that died without one); waiting up to ``wait``
+        exception), a ``WorkerError`` (a worker that died without one) or a ``NodesError`` (its
+        launcher was stopped); waiting up to ``wait``
         seconds for nodes that have not told yet (a lost node never does)."""
         found: dict[int, Any] = {}
         if self.store is None:
@@ -184,6 +192,12 @@ class Meeting:
                 elif self.store.check([death]):
                     fields = json.loads(self.store.get(death))
                     found[node] = WorkerError(fields.pop("message"), **fields)
+                elif self.store.check([f"{self.prefix}stopped/{node}"]):
+                    name = self.store.get(f"{self.prefix}stopped/{node}").decode()
+                    found[node] = NodesError(
+                        f"node {node} of {self.nnodes} was stopped ({name} to its autoddp): "
+                        "the run ended there"
+                    )
         return found
 
     def _others(self) -> list[int]:

@@ -59,6 +59,7 @@ def run_agent(
     cause among this node's ranks (``launch.failures``, as on one machine); elastic's
     ``SignalException`` when this launcher is stopped; elastic has then stopped the local workers.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -128,6 +129,10 @@ def run_agent(
                 failure = _root_cause(failed, nproc, nodes.max_nodes, folder, kept, output, logs_specs)
             except NodesError as error:  # another node ended its run, or never joined
                 failure = error
+            except SignalException as stop:  # (Ctrl-C, SIGTERM): the other nodes are told at once
+                if met is not None:
+                    met.tell_stopped(signal.Signals(stop.sigval).name)
+                raise
             if failure is not None:  # raised here, not in the except: it keeps its own cause (a traceback)
                 raise _began_elsewhere(failure, met, nproc * nodes.max_nodes)
 
@@ -161,12 +166,18 @@ def _began_elsewhere(lead: BaseException, met: meeting.Meeting | None, world_siz
     raised = {n: r for n, r in told.items() if isinstance(r, transport.ErrorReport)}
     causes = {n: r for n, r in raised.items() if not (r.is_consequence or r.is_timeout)}
     deaths = {n: e for n, e in told.items() if isinstance(e, WorkerError)}
+    stops = {n: e for n, e in told.items() if isinstance(e, NodesError)}
     if causes:
         node, cause = min(causes.items(), key=lambda item: item[1].time)
         error, rank = cause.rebuild(world_size), cause.rank
     elif deaths:
         node, error = min(deaths.items())
         rank = error.rank
+    elif stops:  # another node's launcher was stopped (Ctrl-C): no worker of either failed first
+        node, error = min(stops.items())
+        if hasattr(error, "add_note"):
+            error.add_note(f"autoddp: this node's ranks then lost their peers: {one_line(lead)}")
+        return error
     else:
         return lead
     with contextlib.suppress(AttributeError, TypeError):
