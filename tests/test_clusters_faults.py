@@ -238,3 +238,48 @@ def test_node1_stopped_with_ctrl_c_node0_says_so_at_once(hosts, tmp_path):  # no
     assert (code0, code1) == (1, 130), (err0[-3000:], err1[-3000:])
     assert "autoddp: node 1 of 2 was stopped (SIGINT to its autoddp): the run ended there" in err0, err0
     assert "traceback is above" not in err0 and end0 - stopped < 10
+
+
+def _link(up: bool) -> None:
+    state = "up" if up else "down"
+    subprocess.run(["ip", "netns", "exec", HOSTS[1][0], "ip", "link", "set", "autoddp-v1", state], check=True)
+
+
+@pytest.mark.parametrize("outage", [3.0, None])
+def test_node1_link_down_a_short_outage_recovers_a_long_one_ends_both(hosts, tmp_path, outage):  # noqa: F811
+    script = tmp_path / "long.py"
+    steps = 150 if outage else 3000
+    script.write_text(
+        LONG.replace('dist.init_process_group("gloo")', PARTITIONED).replace("3000", str(steps))
+    )
+    command = _command(_master(), script)
+    started = [_start(node, command(node)) for node in (0, 1)]
+    try:
+        for p in started:
+            assert p.stdout.readline() == "training\n"
+        _link(up=False)
+        down = time.monotonic()
+        if outage:
+            time.sleep(outage)
+            _link(up=True)
+        runs = _ended(started, timeout=90)
+    finally:
+        _link(up=True)
+        for p in started:
+            p.kill()
+    (code0, _, err0, end0), (code1, _, err1, end1) = runs
+    if outage:
+        assert code0 == code1 == 0, (err0[-3000:], err1[-3000:])
+        return
+    assert code0 == code1 == 1, (err0[-3000:], err1[-3000:])
+    assert end0 - down < 40 and end1 - down < 60, (end0 - down, end1 - down)  # (a 10 s collective timeout)
+    assert re.search(
+        r"autoddp: node 1 of 2 unreachable since \d\d:\d\d:\d\d \(no word from it for \d+ s\)", err0
+    )
+    assert "node 1 of 2 unreachable since" in err0 and "and the collective timed out" in err0, err0
+    assert "node 0 of 2 unreachable since" in err1 and "and the collective timed out" in err1, err1
+    for err in (err0, err1):
+        assert "recvValue" not in err and "Exception raised from" not in err, err  # no C++ stack dump
+
+
+PARTITIONED = 'import datetime; dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=10))'

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from autoddp.errors import NodesError, WorkerError
+from autoddp.launch.heartbeat import Beat
 from autoddp.launch.output import one_line, say
 from autoddp.launch.plan import DEFAULT_JOIN_TIMEOUT
 from autoddp.worker import transport
@@ -36,7 +37,6 @@ BACKEND = "autoddp-static"
 FIRST_SAY = 5.0  # node 0 names the awaited nodes this soon
 REPEAT_SAY = 30.0  # and again this often while it waits
 _POLL = 0.2
-_CHECK_OTHERS = 1.0  # how often healthy workers' agent looks for a node that restarted or ended
 REMOTE_WAIT = 5.0  # how long node 0 waits for another node's root cause after its own ranks failed
 
 
@@ -70,7 +70,7 @@ class Meeting:
         self.attempt = -1
         self.store: Any = None
         self._stores: list[Any] = []  # node 0: the stores it hosts for the attempts after the first
-        self._checked = 0.0
+        self.beat = Beat(host, port, self.prefix, node_rank, nnodes, emit)
 
     # elastic's RendezvousHandler interface
     def get_backend(self) -> str:
@@ -114,6 +114,7 @@ class Meeting:
                 f"node 0's store at {self.host}:{self.port} stopped answering ({one_line(error)}): node 0 "
                 "ended its run or cannot be reached from here; its output names the cause"
             ) from None
+        self.beat.start(self.attempt)
         info = RendezvousStoreInfo(self.host, port)
         return RendezvousInfo(
             PrefixStore(f"{self.run_id}/{self.attempt}", store), self.node_rank, self.nnodes, info
@@ -121,37 +122,38 @@ class Meeting:
 
     def num_nodes_waiting(self) -> int:
         """Other nodes already at the next attempt, or one that ended its run: this node's
-        healthy workers are then stopped and it meets again (elastic counts no restart for it)."""
-        now = time.monotonic()
-        if self.store is None or now - self._checked < _CHECK_OTHERS:
-            return 0
-        self._checked = now
-        try:
-            if self._ended(self.store) is not None:
-                return 1
-            ahead = f"{self.prefix}{self.attempt + 1}/node/"
-            return sum(1 for r in self._others() if self.store.check([f"{ahead}{r}"]))
-        except Exception:  # node 0 went away: its workers' collectives say so
-            return 0
+        healthy workers are then stopped and it meets again (elastic counts no restart for it).
+        The heartbeat's thread finds it out: elastic's loop never waits on the network."""
+        return self.beat.ahead
+
+    def lost(self) -> str:
+        """The nodes unreachable now, in words ('' for none)."""
+        return self.beat.lost()
 
     def shutdown(self) -> bool:
         """This node's agent ends its run: its workers' root cause (if one raised) goes to the
         store, then the word that it ended, so that the others stop waiting for it."""
+        report = self._lead_report()
+
+        def last_words(store: Any) -> None:
+            if report is not None:
+                store.set(f"{self.prefix}failure/{self.node_rank}", pickle.dumps(report))
+                store.set(f"{self.prefix}told/{self.node_rank}", "1")
+            store.set(f"{self.prefix}ended/{self.node_rank}", "1")
+
         if self.store is not None:
             with contextlib.suppress(Exception):
-                report = self._lead_report()
-                if report is not None:
-                    self.store.set(f"{self.prefix}failure/{self.node_rank}", pickle.dumps(report))
-                    self.store.set(f"{self.prefix}told/{self.node_rank}", "1")
-                self.store.set(f"{self.prefix}ended/{self.node_rank}", "1")
+                self.beat.call(last_words)
+        self.beat.stop()
         self._stores.clear()
         return True
 
     def tell(self, lead: BaseException) -> None:
         """After this node's triage: a worker that died without an exception (killed, ``os._exit``)
         is told to the others too (a raised one was told at ``shutdown``)."""
-        with contextlib.suppress(Exception):
-            if self.store is None or self.store.check([f"{self.prefix}told/{self.node_rank}"]):
+
+        def told(store: Any) -> None:
+            if store.check([f"{self.prefix}told/{self.node_rank}"]):
                 return
             if isinstance(lead, WorkerError):
                 death = {
@@ -160,45 +162,61 @@ class Meeting:
                     "exitcode": lead.exitcode,
                     "signal": lead.signal,
                 }
-                self.store.set(f"{self.prefix}death/{self.node_rank}", json.dumps(death))
-            self.store.set(f"{self.prefix}told/{self.node_rank}", "1")
+                store.set(f"{self.prefix}death/{self.node_rank}", json.dumps(death))
+            store.set(f"{self.prefix}told/{self.node_rank}", "1")
+
+        if self.store is not None and not self.lost():
+            with contextlib.suppress(Exception):
+                self.beat.call(told)
 
     def tell_stopped(self, name: str) -> None:
         """This node's launcher was stopped by signal ``name``: the others are told at once."""
-        with contextlib.suppress(Exception):
-            if self.store is not None:
-                self.store.set(f"{self.prefix}stopped/{self.node_rank}", name)
-                self.store.set(f"{self.prefix}told/{self.node_rank}", "1")
+
+        def told(store: Any) -> None:
+            store.set(f"{self.prefix}stopped/{self.node_rank}", name)
+            store.set(f"{self.prefix}told/{self.node_rank}", "1")
+
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                self.beat.call(told)
 
     def causes_elsewhere(self, wait: float = REMOTE_WAIT) -> dict[int, Any]:
         """What the other nodes told of their failures, by node: an ``ErrorReport`` (a raised
         exception), a ``WorkerError`` (a worker that died without one) or a ``NodesError`` (its
-        launcher was stopped); waiting up to ``wait``
-        seconds for nodes that have not told yet (a lost node never does)."""
+        launcher was stopped); waiting up to ``wait`` seconds for nodes that have not told yet
+        (a lost node never does)."""
         found: dict[int, Any] = {}
         if self.store is None:
             return found
         deadline = time.monotonic() + wait
+        others = self._others()
         with contextlib.suppress(Exception):  # (the store went away with node 0)
             while True:
-                told = [n for n in self._others() if self.store.check([f"{self.prefix}told/{n}"])]
-                if len(told) == len(self._others()) or time.monotonic() >= deadline:
+                told = self.beat.call(
+                    lambda store: [n for n in others if store.check([f"{self.prefix}told/{n}"])]
+                )
+                if len(told) == len(others) or time.monotonic() >= deadline:
                     break
                 time.sleep(_POLL)
-            for node in self._others():
-                failure, death = f"{self.prefix}failure/{node}", f"{self.prefix}death/{node}"
-                if self.store.check([failure]):
-                    found[node] = pickle.loads(self.store.get(failure))
-                elif self.store.check([death]):
-                    fields = json.loads(self.store.get(death))
-                    found[node] = WorkerError(fields.pop("message"), **fields)
-                elif self.store.check([f"{self.prefix}stopped/{node}"]):
-                    name = self.store.get(f"{self.prefix}stopped/{node}").decode()
-                    found[node] = NodesError(
-                        f"node {node} of {self.nnodes} was stopped ({name} to its autoddp): "
-                        "the run ended there"
-                    )
+            for node in others:
+                found.update(self.beat.call(lambda store, node=node: self._told(store, node)))
         return found
+
+    def _told(self, store: Any, node: int) -> dict[int, Any]:
+        failure, death, stopped = (f"{self.prefix}{what}/{node}" for what in ("failure", "death", "stopped"))
+        if store.check([failure]):
+            return {node: pickle.loads(store.get(failure))}
+        if store.check([death]):
+            fields = json.loads(store.get(death))
+            return {node: WorkerError(fields.pop("message"), **fields)}
+        if store.check([stopped]):
+            name = store.get(stopped).decode()
+            return {
+                node: NodesError(
+                    f"node {node} of {self.nnodes} was stopped ({name} to its autoddp): the run ended there"
+                )
+            }
+        return {}
 
     def _others(self) -> list[int]:
         return [r for r in range(self.nnodes) if r != self.node_rank]

@@ -158,8 +158,18 @@ def _began_elsewhere(lead: BaseException, met: meeting.Meeting | None, world_siz
     if met is None:
         return lead
     met.tell(lead)
-    if not isinstance(lead, NodesError) and failures.ELSEWHERE_NOTE not in getattr(lead, "__notes__", ()):
+    notes = getattr(lead, "__notes__", [])
+    if not isinstance(lead, NodesError) and failures.ELSEWHERE_NOTE not in notes:
         return lead  # the cause is here
+    lost = met.lost()
+    if lost and hasattr(lead, "add_note"):  # it never tells: say so instead of waiting for it
+        if failures.ELSEWHERE_NOTE in notes:
+            notes.remove(failures.ELSEWHERE_NOTE)
+        lead.add_note(
+            f"autoddp: {lost}: its ranks could not reach this node's (a network partition, or that machine "
+            "stalls), and the collective timed out"
+        )
+        return lead
     told = met.causes_elsewhere()
     # a raised exception first, by time; a timeout elsewhere is that node's own business (its hang
     # report and triage name the late rank); else a worker that died there
