@@ -10,6 +10,7 @@ ran the user's code: all of them ask this module. A file is:
   lies under the standard library, a site-packages folder, or torch's or wrapt's own folder;
 - **a runner's** (its frames are below the user's code, never part of it) for autoddp's call path
   (``worker/running.py``, ``worker/process.py``, ``worker/script.py``) and ``runpy``;
+- **a pass-through** (left out of tracebacks, kept in stacks) for the hang report's marks;
 - **the user's** otherwise, code given as text (``<string>``, ``<stdin>``) included.
 
 This module imports nothing of autoddp (a leaf) and never imports torch or wrapt: it finds where
@@ -32,6 +33,9 @@ from collections.abc import Callable
 AUTODDP = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(__file__))), "")
 #: autoddp's call path, named once: the user's code runs below these frames.
 CALL_PATH = ("worker/running.py", "worker/process.py", "worker/script.py")
+#: autoddp's frames that only pass a call of the user's on (the hang report's marks around torch's
+#: collectives): left out of the tracebacks shown to the user.
+PASS_THROUGH = ("hang/marks.py",)
 #: Libraries found by their own folder (also where they are not installed in site-packages).
 _PACKAGES = ("torch", "wrapt")
 
@@ -69,6 +73,7 @@ def _library_roots() -> tuple[str, ...]:
 
 _FOLDERS = _package_folders()
 _ROOTS = _library_roots()
+_PASS_FILES = frozenset(os.path.join(AUTODDP, name) for name in PASS_THROUGH)
 _RUNNER_FILES = frozenset(
     {os.path.join(AUTODDP, name) for name in CALL_PATH}
     | {os.path.realpath(os.path.join(os.path.dirname(os.__file__), "runpy.py"))}
@@ -133,7 +138,27 @@ def without_runners(tb: types.TracebackType | None, keep_last: bool = False) -> 
         if keep_last and tb.tb_next is None:
             break
         tb = tb.tb_next
-    return tb
+    return without_pass_through(tb)
+
+
+def without_pass_through(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` without autoddp's pass-through frames (``PASS_THROUGH``; relinked in place), except
+    an innermost one (a failure of autoddp's own there keeps its line)."""
+    head = tb
+    while head is not None and head.tb_next is not None and _passes(head):
+        head = head.tb_next
+    kept = head
+    while kept is not None and kept.tb_next is not None:
+        after = kept.tb_next
+        while after.tb_next is not None and _passes(after):
+            after = after.tb_next
+        kept.tb_next = after
+        kept = after
+    return head
+
+
+def _passes(tb: types.TracebackType) -> bool:
+    return os.path.realpath(tb.tb_frame.f_code.co_filename) in _PASS_FILES
 
 
 def runner_line(line: str) -> bool:

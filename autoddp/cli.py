@@ -112,6 +112,7 @@ def main(script: str | None, script_args: tuple[str, ...], **flags: Any) -> None
             flags["rdzv_id"],
             flags["rdzv_conf"],
             flags["local_addr"],
+            flags["join_timeout"],
         )
         store = launch_plan.one_node_store(*given)
         output = settings.output

@@ -36,6 +36,11 @@ def _rebuild_worker_error(message: str, rank: int, exitcode: int | None, signal:
     return WorkerError(message, rank=rank, exitcode=exitcode, signal=signal)
 
 
+class NodesError(AutoDDPError):
+    """A machine of a run on several machines did not join in time, or ended its run (its workers
+    failed with no restarts left): the other machines stop instead of waiting for it."""
+
+
 class UnevenBatchesError(AutoDDPError, RuntimeError):
     """Ranks drew different numbers of batches from a DataLoader: the one that ran out first left
     the others waiting in a collective (raised in the caller; the original error is its cause)."""

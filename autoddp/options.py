@@ -97,6 +97,15 @@ class Options:
         "--rdzv_backend",
         metavar="static|c10d",
     )
+    join_timeout: float | None = option(
+        None,
+        "Several machines: seconds the machines wait for each other to join, at the start and at each "
+        f"restart, before the run fails.  [default: {launch_plan.DEFAULT_JOIN_TIMEOUT:g}]",
+        "--join-timeout",
+        "--join_timeout",
+        metavar="SECONDS",
+        type=float,
+    )
     ranks: str = option(
         "0",
         "Whose output reaches the console: 0, all (lines prefixed [rank N]) or local ranks like 0,1.",
@@ -210,7 +219,13 @@ class Options:
 
     @property
     def nodes(self) -> launch_plan.Nodes:
-        return launch_plan.plan(self.nnodes, self.node_rank, self.master, rdzv_backend=self.rdzv_backend)
+        return launch_plan.plan(
+            self.nnodes,
+            self.node_rank,
+            self.master,
+            rdzv_backend=self.rdzv_backend,
+            join_timeout=self.join_timeout,
+        )
 
     @property
     def output(self) -> launch_output.Output:

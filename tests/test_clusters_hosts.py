@@ -295,9 +295,10 @@ def test_a_failure_on_node1_has_the_root_cause_rules_of_one_node(tmp_path, hosts
     assert p0.returncode == p1.returncode == 1, err0[-3000:] + err1[-3000:]
     (_, out0, _), (_, out1, _) = runs["decorator"]
     decorated = [_failure(out) for out in (out0, out1)]
+    ends = (r"\(on node 1\)", r"\(its traceback is above\)")
     command = [
-        {"first": _line(r"autoddp: (\w+: .*) \(its traceback is above\)", e), "notes": e}
-        for e in (err0, err1)
+        {"first": _line(rf"autoddp: (\w+: .*) {end}", e), "notes": e}
+        for end, e in zip(ends, (err0, err1), strict=True)
     ]
     for front, (node0, node1) in (("command", command), ("decorator", decorated)):
         # node 1: the first ValueError by time names its rank; the other rank's is listed after it
@@ -307,9 +308,15 @@ def test_a_failure_on_node1_has_the_root_cause_rules_of_one_node(tmp_path, hosts
         assert (
             f"other ranks also failed: rank {other}: ValueError: bad batch on rank {other}" in node1["notes"]
         )
-        # node 0: its ranks only lost their peers, and a note says where to look
-        assert re.search(r"\[rank [01] of 4\]", node0["first"]), (front, node0)
-        assert "the failure began there" in node0["notes"], (front, node0)
+        # node 0 (its ranks only lost their peers): the same root cause, where it ran, its traceback
+        assert node0["first"] == node1["first"], (front, node0)
+        assert f"rank {lead[1]} runs on node 1 of 2: the failure began there" in node0["notes"], (
+            front,
+            node0,
+        )
+        if front == "command":  # node 0 shows the traceback that only node 1's console had
+            assert f"Traceback of rank {lead[1]} of 4 (the worker that raised)" in err0, err0
+    assert decorated[0]["type"] == "ValueError"
     assert decorated[1]["type"] == "ValueError"
 
 

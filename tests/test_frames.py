@@ -115,6 +115,25 @@ def test_the_users_frame_is_the_first_beyond_the_libraries_and_none_beyond_the_c
     assert runner["run"](lambda frame: frame.f_code.co_name == "outer") is None
 
 
+def test_tracebacks_lose_the_hang_marks_around_torchs_collectives(tmp_path):
+    space: dict = {}
+    _code(str(tmp_path / "lib.py"), "def all_reduce():\n    raise RuntimeError('peer gone')\n", space)
+    _code(str(PACKAGE / "hang" / "marks.py"), "def marked():\n    return all_reduce()\n", space)
+    _code(str(tmp_path / "train.py"), "def train():\n    marked()\n", space)
+    try:
+        space["train"]()
+    except RuntimeError as exc:
+        tb = exc.__traceback__
+    shown = "".join(traceback.format_tb(_frames.without_runners(tb)))
+    assert "train.py" in shown and "lib.py" in shown and "marks.py" not in shown, shown
+    space["all_reduce"] = None  # the mark itself fails: its innermost frame stays
+    try:
+        space["marked"]()
+    except TypeError as exc:
+        tb = exc.__traceback__.tb_next
+    assert _frames.without_pass_through(tb) is tb and tb.tb_next is None
+
+
 def test_warnings_point_at_the_users_line(tmp_path):
     space: dict = {"_warn": _warn}
     _code(os.path.join(os.path.dirname(TORCH_FILE), "lib.py"), "def lib():\n    _warn.warn('note')\n", space)

@@ -111,6 +111,19 @@ def test_bad_multi_node_options_are_clear_errors(kwargs, message):
         nodes.plan(**kwargs)
 
 
+def test_the_join_timeout_is_one_setting():
+    base = {"nnodes": 2, "node_rank": 0, "master": "host:1"}
+    assert nodes.plan(**base).join_timeout == nodes.DEFAULT_JOIN_TIMEOUT < 15 * 60
+    assert nodes.plan(**base, join_timeout=30).join_timeout == 30
+    given = nodes.plan(**base, rdzv_conf="join_timeout=40,read_timeout=9")
+    assert (given.join_timeout, given.conf) == (40, (("read_timeout", "9"),))
+    with pytest.raises(ConfigurationError, match="give the join timeout once"):
+        nodes.plan(**base, rdzv_conf="join_timeout=40", join_timeout=30)
+    for bad in (0, -1, "soon", True):
+        with pytest.raises(ConfigurationError, match="must be a number of seconds > 0"):
+            nodes.plan(**base, join_timeout=bad)
+
+
 def test_elastic_range_uses_c10d():
     plan = nodes.plan("1:4", rdzv_endpoint="host:29400", rdzv_id="job7")
     assert (plan.min_nodes, plan.max_nodes, plan.backend, plan.run_id) == (1, 4, "c10d", "job7")

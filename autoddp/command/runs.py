@@ -13,7 +13,7 @@ import click
 
 from autoddp import environment
 from autoddp.command.arguments import fail
-from autoddp.errors import ConfigurationError, WorkerError
+from autoddp.errors import ConfigurationError, NodesError, RemoteTraceback, WorkerError
 from autoddp.hang import record as hang_record
 from autoddp.launch import in_place, local, nodes
 from autoddp.launch import output as launch_output
@@ -50,10 +50,9 @@ def run_nodes(
                 role=role,
             )
     except RendezvousTimeoutError:
-        waited = dict(plan.conf).get("join_timeout", "600")
         fail(
             f"the other machines did not all join the rendezvous at {plan.endpoint} within its join timeout "
-            f"({waited} s): start autoddp on every machine, or raise --rdzv-conf join_timeout=SECONDS",
+            f"({plan.join_timeout:g} s): start autoddp on every machine, or raise --join-timeout SECONDS",
             code=1,
         )
     except SignalException as error:
@@ -109,8 +108,12 @@ def _failed(error: BaseException) -> int:
         return 128 + int(signal.SIGINT)
     if isinstance(error, SystemExit):  # a rank called sys.exit(code): the launcher said so in one line
         return error.code if isinstance(error.code, int) else 1
-    if isinstance(error, WorkerError):  # died without a Python exception: no traceback to point at
+    if isinstance(error, (WorkerError, NodesError)):  # no traceback to point at
         click.echo(f"autoddp: {error}", err=True)
+    elif isinstance(error, Exception) and getattr(error, "autoddp_node", None) is not None:
+        if isinstance(error.__cause__, RemoteTraceback):  # printed on that node only: shown here
+            click.echo(str(error.__cause__).strip("\n"), err=True)
+        click.echo(f"autoddp: {launch_output.one_line(error)} (on node {error.autoddp_node})", err=True)
     elif isinstance(error, Exception):  # a worker failed: it printed its own traceback
         click.echo(f"autoddp: {launch_output.one_line(error)} (its traceback is above)", err=True)
     else:

@@ -72,11 +72,15 @@ def agent_failure(error: Any, nproc: int, folder: str, world_size: int, records:
     late_here = any(code == -signal.SIGTERM and r not in reports for r, code in codes.items())
     waited = report is not None and (report.is_consequence or (report.is_timeout and not late_here))
     if waited and hasattr(lead, "add_note"):
-        lead.add_note(
-            "autoddp: this machine's ranks lost (or waited for) ranks of another machine: the failure "
-            "began there, and its launcher names the root cause"
-        )
+        lead.add_note(ELSEWHERE_NOTE)
     return lead
+
+
+#: The note on this machine's root cause when its ranks only lost (or waited for) another machine's.
+ELSEWHERE_NOTE = (
+    "autoddp: this machine's ranks lost (or waited for) ranks of another machine: the failure "
+    "began there, and its launcher names the root cause"
+)
 
 
 def root_cause(ended: Ended, folder: str, world_size: int, records: str = "") -> BaseException:

@@ -17,12 +17,13 @@ from typing import Any
 
 from autoddp._leftovers import private_folder
 from autoddp.environment import hardware, network
+from autoddp.errors import NodesError, WorkerError
 from autoddp.hang import record as hang_record
 from autoddp.hang.combine import Exchange
 from autoddp.hang.watch import Watch
-from autoddp.launch import diagnostics, failures
+from autoddp.launch import diagnostics, failures, meeting
 from autoddp.launch.contract import DEFAULT_ROLE
-from autoddp.launch.output import Output, announce_exit, say, show_hidden_output
+from autoddp.launch.output import Output, announce_exit, one_line, say, show_hidden_output
 from autoddp.launch.plan import Nodes, split_endpoint
 from autoddp.launch.side_gloo import side_gloo_variables
 from autoddp.launch.supervise import (
@@ -58,6 +59,7 @@ def run_agent(
     cause among this node's ranks (``launch.failures``, as on one machine); elastic's
     ``SignalException`` when this launcher is stopped; elastic has then stopped the local workers.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -65,8 +67,23 @@ def run_agent(
     host, port = split_endpoint(nodes.endpoint or "")
     net = network.choose(host, os.environ)
     rdzv_configs: dict[str, Any] = dict(nodes.conf)  # --rdzv-conf, as torchrun passes it
-    if nodes.backend == "static":
-        rdzv_configs["rank"] = nodes.node_rank
+    backend = nodes.backend
+    if backend == "static":  # elastic's, with a fresh store per attempt and no silent waits
+        meeting.register()
+        backend = meeting.BACKEND
+        met = rdzv_configs["autoddp_meeting"] = meeting.Meeting(
+            host,
+            port,
+            nodes.node_rank or 0,
+            nodes.max_nodes,
+            nodes.run_id,
+            join_timeout=nodes.join_timeout,
+            max_restarts=max_restarts,
+            folder=folder,
+        )
+    else:
+        met = None
+        rdzv_configs["join_timeout"] = int(nodes.join_timeout)
     route = net.route
     if nodes.backend == "c10d" and route is not None and route.owns_address:
         # This machine owns the endpoint's address; torch recognises it only by the host name.
@@ -81,7 +98,7 @@ def run_agent(
             max_nodes=nodes.max_nodes,
             nproc_per_node=nproc,
             run_id=nodes.run_id,
-            rdzv_backend=nodes.backend,
+            rdzv_backend=backend,
             rdzv_endpoint=nodes.endpoint or "",
             rdzv_configs=rdzv_configs,
             max_restarts=max_restarts,
@@ -103,12 +120,21 @@ def run_agent(
             own = {"AUTODDP_RUN_FOLDER": folder, "AUTODDP_LINE_PREFIX": "1" if output.prefixed else "0"}
             exchange = _exchange(nodes, host, port)
             watch = Watch(records, nproc, hang_report, node=_node_name(nodes), exchange=exchange)
+            failure: BaseException | None = None
             try:
                 with elastic_logs_quiet(), _worker_environment(nproc, variables, own), watch:
                     elastic_launch(config, entrypoint=sys.executable)(*args)
             except ChildFailedError as failed:
                 kept = records if hang_report > 0 else ""
-                raise _root_cause(failed, nproc, nodes.max_nodes, folder, kept, output, logs_specs) from None
+                failure = _root_cause(failed, nproc, nodes.max_nodes, folder, kept, output, logs_specs)
+            except NodesError as error:  # another node ended its run, or never joined
+                failure = error
+            except SignalException as stop:  # (Ctrl-C, SIGTERM): the other nodes are told at once
+                if met is not None:
+                    met.tell_stopped(signal.Signals(stop.sigval).name)
+                raise
+            if failure is not None:  # raised here, not in the except: it keeps its own cause (a traceback)
+                raise _began_elsewhere(failure, met, nproc * nodes.max_nodes)
 
 
 def _root_cause(
@@ -121,6 +147,60 @@ def _root_cause(
     rank, first = failed.get_first_failure()
     shown = output.shown(nproc)
     show_hidden_output(error, getattr(logs_specs, "dest", None), shown, rank - first.local_rank)
+    announce_exit(error, world_size)
+    return error
+
+
+def _began_elsewhere(lead: BaseException, met: meeting.Meeting | None, world_size: int) -> BaseException:
+    """``lead``, or the root cause another node published when this node's ranks only lost their
+    peers (or this node stopped because another ended): the original exception of the rank that
+    failed first there, with its traceback, as on one machine."""
+    if met is None:
+        return lead
+    met.tell(lead)
+    notes = getattr(lead, "__notes__", [])
+    if not isinstance(lead, NodesError) and failures.ELSEWHERE_NOTE not in notes:
+        return lead  # the cause is here
+    lost = met.lost()
+    if lost and hasattr(lead, "add_note"):  # it never tells: say so instead of waiting for it
+        if failures.ELSEWHERE_NOTE in notes:
+            notes.remove(failures.ELSEWHERE_NOTE)
+        lead.add_note(
+            f"autoddp: {lost}: its ranks could not reach this node's (a network partition, or that machine "
+            "stalls), and the collective timed out"
+        )
+        return lead
+    told = met.causes_elsewhere()
+    # a raised exception first, by time; a timeout elsewhere is that node's own business (its hang
+    # report and triage name the late rank); else a worker that died there
+    raised = {n: r for n, r in told.items() if isinstance(r, transport.ErrorReport)}
+    causes = {n: r for n, r in raised.items() if not (r.is_consequence or r.is_timeout)}
+    deaths = {n: e for n, e in told.items() if isinstance(e, WorkerError)}
+    stops = {n: e for n, e in told.items() if isinstance(e, NodesError)}
+    if causes:
+        node, cause = min(causes.items(), key=lambda item: item[1].time)
+        error, rank = cause.rebuild(world_size), cause.rank
+    elif deaths:
+        node, error = min(deaths.items())
+        rank = error.rank
+    elif stops:  # another node's launcher was stopped (Ctrl-C): no worker of either failed first
+        node, error = min(stops.items())
+        if hasattr(error, "add_note"):
+            error.add_note(f"autoddp: this node's ranks then lost their peers: {one_line(lead)}")
+        return error
+    else:
+        return lead
+    with contextlib.suppress(AttributeError, TypeError):
+        error.autoddp_node = node  # type: ignore[attr-defined]
+    if hasattr(error, "add_note"):
+        error.add_note(
+            f"autoddp: rank {rank} runs on node {node} of {met.nnodes}: the failure began there "
+            + (
+                f"(this node stopped when node {node} ended its run)"
+                if isinstance(lead, NodesError)
+                else f"(this node's ranks then lost their peers: {one_line(lead)})"
+            )
+        )
     announce_exit(error, world_size)
     return error
 

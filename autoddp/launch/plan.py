@@ -8,6 +8,7 @@ from autoddp.environment import LOOPBACK
 from autoddp.errors import ConfigurationError
 
 RDZV_BACKENDS = ("static", "c10d")
+DEFAULT_JOIN_TIMEOUT = 300.0  # seconds (elastic: 600 for the rendezvous, and 900 for its agent)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +23,7 @@ class Nodes:
     run_id: str = "none"  # torchrun's --rdzv-id default: the workers' TORCHELASTIC_RUN_ID
     conf: tuple[tuple[str, str], ...] = ()  # --rdzv-conf KEY=VALUE,... for the rendezvous
     local_addr: str | None = None  # the address the other machines reach this one by
+    join_timeout: float = DEFAULT_JOIN_TIMEOUT  # seconds the nodes wait for each other to join
 
     @property
     def multi(self) -> bool:
@@ -37,9 +39,11 @@ def plan(
     rdzv_id: str | None = None,
     rdzv_conf: str | None = None,
     local_addr: str | None = None,
+    join_timeout: float | None = None,
 ) -> Nodes:
     """Check the multi-node options and turn them into a ``Nodes`` plan (one node if unset)."""
     min_nodes, max_nodes = _node_counts(nnodes)
+    _join_timeout(join_timeout, None)
     if max_nodes == 1:
         if node_rank not in (None, 0):
             raise ConfigurationError(
@@ -72,7 +76,36 @@ def plan(
                 "(node 0 hosts the rendezvous at the --master address)"
             )
     conf = _conf(rdzv_conf)
-    return Nodes(min_nodes, max_nodes, node_rank, endpoint, backend, rdzv_id or "none", conf, local_addr)
+    waited = _join_timeout(join_timeout, dict(conf).get("join_timeout"))
+    conf = tuple((key, value) for key, value in conf if key != "join_timeout")
+    return Nodes(
+        min_nodes, max_nodes, node_rank, endpoint, backend, rdzv_id or "none", conf, local_addr, waited
+    )
+
+
+def _join_timeout(given: float | None, in_conf: str | None) -> float:
+    """``join_timeout=`` (``--join-timeout``), or ``--rdzv-conf join_timeout=``: the same setting."""
+    if in_conf is not None:
+        try:
+            conf = float(in_conf)
+        except ValueError:
+            raise ConfigurationError(
+                f"--rdzv-conf join_timeout={in_conf!r} is not a number of seconds"
+            ) from None
+        if given is not None and given != conf:
+            raise ConfigurationError(
+                f"join_timeout={given:g} and --rdzv-conf join_timeout={in_conf} disagree: give the join "
+                "timeout once (join_timeout= in @distributed, --join-timeout for the command)"
+            )
+        given = conf
+    if given is None:
+        return DEFAULT_JOIN_TIMEOUT
+    if isinstance(given, bool) or not isinstance(given, (int, float)) or not given > 0:
+        raise ConfigurationError(
+            f"join_timeout={given!r} must be a number of seconds > 0: how long the machines of a run "
+            f"wait for each other to join (e.g. join_timeout=600)  [default: {DEFAULT_JOIN_TIMEOUT:g}]"
+        )
+    return float(given)
 
 
 def one_node_store(

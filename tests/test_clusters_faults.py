@@ -1,0 +1,285 @@
+"""Faults on two hosts for real (the network namespaces of tests/test_clusters_hosts.py): a node that
+never starts, an exception on node 1, a worker of node 1 that fails once with restarts allowed."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+from cluster_tools import HOSTS
+from test_clusters_hosts import _port, _start, hosts  # noqa: F401 - the fixture, used by name
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def _master() -> str:
+    return f"{HOSTS[0][1]}:{_port()}"
+
+
+def _ended(started: list[subprocess.Popen], timeout: float = 120) -> list[tuple[int, str, str, float]]:
+    """(exit status, stdout, stderr, when it ended) of each process; none is left behind."""
+    found: dict[int, tuple] = {}
+    try:
+        deadline = time.monotonic() + timeout
+        while len(found) < len(started) and time.monotonic() < deadline:
+            for n, p in enumerate(started):
+                if n not in found and p.poll() is not None:
+                    found[n] = (p.returncode, time.monotonic())
+            time.sleep(0.05)
+    finally:
+        for p in started:
+            p.kill()
+    runs = []
+    for n, p in enumerate(started):
+        out, err = p.communicate()
+        code, when = found.get(n, (None, float("inf")))
+        runs.append((code, out, err, when))
+    return runs
+
+
+def _command(master: str, script, *extra: str):
+    return lambda node: [
+        *("autoddp", "--nnodes", "2", "--node-rank", str(node), "--master", master, "-n", "1"),
+        *extra,
+        str(script),
+    ]
+
+
+#: A decorated function on two nodes of one worker; ``python this.py NODE MASTER JOIN RESTARTS
+#: FAILS``: rank 1 calls sys.exit(3) in its first FAILS attempts, or raises (FAILS -1), or is killed (-2).
+DECORATED = """
+import json, os, sys, torch, torch.distributed as dist, autoddp
+
+node, master, join = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+restarts, fails = int(sys.argv[4]), int(sys.argv[5])
+
+def check(rank):
+    if rank == 1 and fails == -2:
+        os.kill(os.getpid(), 9)
+    if rank == 1 and fails < 0:
+        raise ValueError(f"bad batch on rank {rank}")
+    if rank == 1 and int(os.environ["TORCHELASTIC_RESTART_COUNT"]) < fails:
+        sys.exit(3)
+
+@autoddp.distributed(
+    nproc=1, nnodes=2, node_rank=node, master=master, join_timeout=join, max_restarts=restarts
+)
+def train():
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    check(autoddp.rank())
+    dist.all_reduce(t)
+    return t.item()
+
+try:
+    sys.stdout.write("RESULT " + json.dumps(train()) + "\\n")
+except BaseException as error:
+    cause = str(error.__cause__ or "")
+    found = {"type": type(error).__name__, "text": str(error), "notes": getattr(error, "__notes__", []),
+             "cause": cause}
+    sys.stdout.write("FAILED " + json.dumps(found) + "\\n")
+    sys.exit(1)
+"""
+
+#: The same for a torchrun-style script: ``python this.py FAILS``.
+PLAIN = """
+import os, sys, torch, torch.distributed as dist
+
+fails = int(sys.argv[1])
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+
+def check(rank):
+    if rank == 1 and fails == -2:
+        os.kill(os.getpid(), 9)
+    if rank == 1 and fails < 0:
+        raise ValueError(f"bad batch on rank {rank}")
+    if rank == 1 and int(os.environ["TORCHELASTIC_RESTART_COUNT"]) < fails:
+        sys.exit(3)
+
+check(dist.get_rank())
+dist.all_reduce(t)
+sys.stdout.write(f"RESULT {t.item()}\\n")
+"""
+
+
+@pytest.fixture
+def scripts(hosts, tmp_path):  # noqa: F811
+    paths = {}
+    for name, text in (("decorated", DECORATED), ("plain", PLAIN)):
+        paths[name] = tmp_path / f"{name}.py"
+        paths[name].write_text(text)
+    return paths
+
+
+def _fronts(scripts, master: str, fails: int, join: float = 60, restarts: int = 0):
+    """{front: command(node)} for the command and the decorator."""
+    return {
+        "command": lambda node: [
+            *_command(master, scripts["plain"], "--join-timeout", str(join), "--max-restarts", str(restarts))(
+                node
+            ),
+            str(fails),
+        ],
+        "decorator": lambda node: [
+            *("python", str(scripts["decorated"]), str(node), master, str(join), str(restarts), str(fails))
+        ],
+    }
+
+
+@pytest.mark.parametrize("front", ["command", "decorator"])
+def test_node1_never_starts_node0_names_it_and_gives_up(scripts, front):
+    command = _fronts(scripts, _master(), fails=0, join=20)[front]
+    started = time.monotonic()
+    node0 = _start(0, command(0))
+    try:
+        lines = []
+        for line in node0.stderr:
+            lines.append(line)
+            if "waiting for node 1 of 2" in line:
+                break
+        said = time.monotonic() - started
+        (code, out, err, ended) = _ended([node0], timeout=60)[0]
+    finally:
+        node0.kill()
+        node0.communicate()
+    err = "".join(lines) + err
+    assert "waiting for node 1 of 2 to join the rendezvous at" in err, err
+    assert said < 10 + 5, (said, err)  # (the interpreter and torch take seconds to start here)
+    assert code == 1 and ended - started < 20 + 15, (code, ended - started, err)
+    assert "node 1 of 2 did not join the rendezvous at" in err + out
+    assert "within the join timeout (20 s)" in err + out
+    assert "--join-timeout" in err + out and "Traceback" not in err
+    if front == "decorator":
+        assert json.loads(out.partition("FAILED ")[2])["type"] == "NodesError"
+
+
+@pytest.mark.parametrize("front", ["command", "decorator"])
+def test_an_exception_on_node1_reaches_node0_with_its_traceback(scripts, front):
+    command = _fronts(scripts, _master(), fails=-1)[front]
+    runs = _ended([_start(node, command(node)) for node in (0, 1)])
+    (code0, out0, err0, _), (code1, _, err1, _) = runs
+    assert code0 == code1 == 1, (err0[-3000:], err1[-3000:])
+    if front == "command":
+        assert "Traceback of rank 1 of 2 (the worker that raised)" in err0, err0
+        assert 'raise ValueError(f"bad batch on rank {rank}")' in err0
+        assert "autoddp: ValueError: [rank 1 of 2] bad batch on rank 1 (on node 1)" in err0, err0
+        assert "rank 1 runs on node 1 of 2: the failure began there" in err0
+    else:
+        found = json.loads(out0.partition("FAILED ")[2])
+        assert found["type"] == "ValueError" and found["text"] == "[rank 1 of 2] bad batch on rank 1", found
+        assert any("rank 1 runs on node 1 of 2: the failure began there" in n for n in found["notes"])
+        assert "Traceback of rank 1 of 2" in found["cause"] and "in check" in found["cause"], found
+
+
+def test_a_rank_killed_on_node1_is_named_on_node0_without_a_traceback_promised(scripts):
+    command = _fronts(scripts, _master(), fails=-2)["command"]
+    runs = _ended([_start(node, command(node)) for node in (0, 1)])
+    (code0, _, err0, end0), (code1, _, err1, end1) = runs
+    assert code0 == code1 == 1, (err0[-3000:], err1[-3000:])
+    assert re.search(r"autoddp: rank 1 of 2 \(pid \d+\) was killed by SIGKILL", err0), err0
+    assert "rank 1 runs on node 1 of 2: the failure began there" in err0
+    assert "traceback is above" not in err0 + err1, (err0, err1)
+    assert abs(end0 - end1) < 10
+
+
+@pytest.mark.parametrize("front", ["command", "decorator"])
+def test_node1_fails_once_with_a_restart_both_nodes_finish(scripts, front):
+    command = _fronts(scripts, _master(), fails=1, restarts=1)[front]
+    runs = _ended([_start(node, command(node)) for node in (0, 1)])
+    (code0, out0, err0, _), (code1, _, err1, _) = runs
+    assert code0 == code1 == 0, (err0[-3000:], err1[-3000:])
+    assert "RESULT 4.0" in out0
+    lines = [line for line in err0.splitlines() if "restart" in line]
+    assert lines == ["autoddp: restart 1 of 1 after rank 1 on node 1 exited with code 3"], err0
+
+
+@pytest.mark.parametrize("front", ["command", "decorator"])
+def test_restarts_used_up_both_nodes_end_within_seconds(scripts, front):
+    command = _fronts(scripts, _master(), fails=5, restarts=1)[front]
+    runs = _ended([_start(node, command(node)) for node in (0, 1)])
+    (code0, _, err0, end0), (code1, _, err1, end1) = runs
+    assert code0 not in (0, None) and code1 not in (0, None), (err0[-3000:], err1[-3000:])
+    assert abs(end0 - end1) < 10, (end0 - end1, err0[-3000:])
+    assert "restart 1 of 1 after rank 1 on node 1 exited with code 3" in err0
+    assert "rank 1 of 2 called sys.exit(3)" in err0, err0
+
+
+LONG = """
+import sys, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+for step in range(3000):
+    dist.all_reduce(torch.ones(1))
+    if step == 0:
+        sys.stdout.write("training\\n")
+        sys.stdout.flush()
+    time.sleep(0.05)
+"""
+
+
+def test_node1_stopped_with_ctrl_c_node0_says_so_at_once(hosts, tmp_path):  # noqa: F811
+    script = tmp_path / "long.py"
+    script.write_text(LONG)
+    command = _command(_master(), script)
+    started = [_start(node, command(node)) for node in (0, 1)]
+    try:
+        for p in started:
+            assert p.stdout.readline() == "training\n"
+        started[1].send_signal(signal.SIGINT)
+        stopped = time.monotonic()
+    finally:
+        runs = _ended(started, timeout=60)
+    (code0, _, err0, end0), (code1, _, err1, _) = runs
+    assert (code0, code1) == (1, 130), (err0[-3000:], err1[-3000:])
+    assert "autoddp: node 1 of 2 was stopped (SIGINT to its autoddp): the run ended there" in err0, err0
+    assert "traceback is above" not in err0 and end0 - stopped < 10
+
+
+def _link(up: bool) -> None:
+    state = "up" if up else "down"
+    subprocess.run(["ip", "netns", "exec", HOSTS[1][0], "ip", "link", "set", "autoddp-v1", state], check=True)
+
+
+@pytest.mark.parametrize("outage", [3.0, None])
+def test_node1_link_down_a_short_outage_recovers_a_long_one_ends_both(hosts, tmp_path, outage):  # noqa: F811
+    script = tmp_path / "long.py"
+    steps = 150 if outage else 3000
+    script.write_text(
+        LONG.replace('dist.init_process_group("gloo")', PARTITIONED).replace("3000", str(steps))
+    )
+    command = _command(_master(), script)
+    started = [_start(node, command(node)) for node in (0, 1)]
+    try:
+        for p in started:
+            assert p.stdout.readline() == "training\n"
+        _link(up=False)
+        down = time.monotonic()
+        if outage:
+            time.sleep(outage)
+            _link(up=True)
+        runs = _ended(started, timeout=90)
+    finally:
+        _link(up=True)
+        for p in started:
+            p.kill()
+    (code0, _, err0, end0), (code1, _, err1, end1) = runs
+    if outage:
+        assert code0 == code1 == 0, (err0[-3000:], err1[-3000:])
+        return
+    assert code0 == code1 == 1, (err0[-3000:], err1[-3000:])
+    assert end0 - down < 40 and end1 - down < 60, (end0 - down, end1 - down)  # (a 10 s collective timeout)
+    assert re.search(
+        r"autoddp: node 1 of 2 unreachable since \d\d:\d\d:\d\d \(no word from it for \d+ s\)", err0
+    )
+    assert "node 1 of 2 unreachable since" in err0 and "and the collective timed out" in err0, err0
+    assert "node 0 of 2 unreachable since" in err1 and "and the collective timed out" in err1, err1
+    for err in (err0, err1):
+        assert "recvValue" not in err and "Exception raised from" not in err, err  # no C++ stack dump
+
+
+PARTITIONED = 'import datetime; dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=10))'
