@@ -202,4 +202,10 @@ def test_loss_reduction_reads_a_losss_graph_through_scalings():
     assert _compat.loss_reduction((out**2).sum()) == "sum"
     assert _compat.loss_reduction((out**2).mean() * 0.5) == "mean"
     assert _compat.loss_reduction(out.sum() + out.mean()) is None  # (not said: no warning)
+    assert _compat.loss_reduction(F.cross_entropy(out, y, reduction="sum") + (out**2).sum() * 0.5) == "sum"
+    assert _compat.loss_reduction(F.cross_entropy(out, y) + (out**2).mean()) == "mean"
+    weights = torch.tensor([1.0, 2.0, 3.0])
+    assert _compat.loss_reduction(F.cross_entropy(out, y, weight=weights)) == "weighted mean"
+    assert _compat.loss_reduction(F.cross_entropy(out, torch.tensor([0, 1, -100, 0]))) == "weighted mean"
+    assert _compat.loss_reduction(F.cross_entropy(out, y, ignore_index=7)) == "mean"  # none ignored
     assert _compat.loss_reduction(torch.tensor(1.0)) is None

@@ -392,3 +392,27 @@ def test_the_notice_says_the_batchnorm_cost_and_a_summed_loss_is_a_warning(tmp_p
     warning = "split_batches assumes a loss that is a mean over the batch"
     assert result.stderr.count(warning) == 1 and "about 1/2 of one process's" in result.stderr
     assert "summed.py:12" in result.stderr and "loss.backward()" in result.stderr  # the user's line
+
+
+def test_a_class_weighted_mean_loss_is_a_warning_at_its_backward(tmp_path):
+    script = write(
+        tmp_path / "weighted.py",
+        """
+        import torch
+        from torch import nn
+        from torch.utils.data import DataLoader, TensorDataset
+
+        model = nn.Linear(4, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = TensorDataset(torch.randn(20, 4), torch.randint(0, 3, (20,)))
+        for x, y in DataLoader(data, batch_size=10, shuffle=True):
+            loss = nn.functional.cross_entropy(model(x), y, weight=torch.tensor([1.0, 2.0, 3.0]))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        """,
+    )
+    result = run_python(["-m", "autoddp.cli", "-n", "2", "--split-batches", str(script)])
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("and this one is a weighted mean") == 1  # once, at the first backward
+    assert "weighted.py:12" in result.stderr and "loss.backward()" in result.stderr  # the user's line

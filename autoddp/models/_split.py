@@ -68,8 +68,16 @@ def show_whole(loss: Any) -> None:
 
 
 def check_loss(loss: Any) -> None:
-    """Warn when ``loss`` is summed over the batch: weighing the parts assumes a mean."""
-    if _compat.loss_reduction(loss) != "sum":
+    """Warn when ``loss`` is summed or a weighted mean over the batch: weighing the parts assumes a mean."""
+    reduction = _compat.loss_reduction(loss)
+    if reduction == "weighted mean":
+        _warn.warn(
+            "split_batches assumes a loss that is a plain mean over the batch, and this one is a weighted "
+            "mean (class weights, or ignore_index with ignored samples): each process divides by its "
+            "part's weights, not the whole batch's, so the gradients differ from one process's. Use "
+            "reduction='sum' divided by the whole batch's weight, or leave split_batches off"
+        )
+    if reduction != "sum":
         return
     world = CURRENT.world
     _warn.warn(
