@@ -21,8 +21,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import pickle
-import random
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,6 +31,7 @@ from autoddp import _compat
 from autoddp.errors import ConfigurationError
 from autoddp.models import _class_swap
 from autoddp.state import CURRENT, World
+from autoddp.worker import streams
 from autoddp.worker.process_group import comm_device
 
 #: Batches drawn at once at the start of a pass (on rank 0 from the user's states, as one process).
@@ -116,38 +115,25 @@ def _drawing(rank: int, first: bool, private: tuple | None) -> Iterator[list[Any
     the user's code draws between batches.
     """
     found: list[Any] = [None]
-    own = _states()
+    own = streams.states()
     if first:
         leading = _broadcast(own if rank == 0 else None)
         same = rank == 0 or _same(own, leading)
-        _set_states(leading)
+        streams.set_states(leading)
         try:
             yield found
         finally:
-            found[0] = _states()
+            found[0] = streams.states()
             if not same:
-                _set_states(own)
+                streams.set_states(own)
         return
     assert private is not None
-    _set_states(private)
+    streams.set_states(private)
     try:
         yield found
     finally:
-        found[0] = _states()
-        _set_states(own)
-
-
-def _states() -> tuple:
-    numpy = sys.modules.get("numpy")
-    return torch.get_rng_state(), random.getstate(), numpy.random.get_state() if numpy else None
-
-
-def _set_states(states: tuple) -> None:
-    torch.set_rng_state(states[0])
-    random.setstate(states[1])
-    numpy = sys.modules.get("numpy")
-    if numpy is not None and states[2] is not None:
-        numpy.random.set_state(states[2])
+        found[0] = streams.states()
+        streams.set_states(own)
 
 
 def _same(a: tuple, b: tuple) -> bool:

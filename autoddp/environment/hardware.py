@@ -98,6 +98,14 @@ def return_freed_memory_at_once() -> bool:
     replicated training would (measured in ``benchmarks/fsdp_memory.py``). Linux with glibc only;
     returns whether the setting took.
     """
+    return _mallopt((_M_MMAP_THRESHOLD, 64 * 1024))
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+def _mallopt(*settings: tuple[int, int]) -> bool:
+    """glibc's ``mallopt`` for each (parameter, value), in order; whether all took (Linux, glibc)."""
     import ctypes
 
     if not sys.platform.startswith("linux"):
@@ -106,8 +114,7 @@ def return_freed_memory_at_once() -> bool:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return False
-    m_mmap_threshold = -3
-    return bool(libc.mallopt(m_mmap_threshold, 64 * 1024))
+    return all(bool(libc.mallopt(parameter, value)) for parameter, value in settings)
 
 
 #: glibc's own upper bounds for its adaptive thresholds on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX, and
@@ -128,19 +135,10 @@ def keep_freed_memory(environ: Mapping[str, str] | None = None) -> bool:
     the heap holds at most 64 MiB more than it uses. Never over the user's own ``MALLOC_*`` or
     ``GLIBC_TUNABLES`` malloc settings; Linux with glibc only; returns whether the setting took.
     """
-    import ctypes
-
     environ = os.environ if environ is None else environ
     if any(name.startswith("MALLOC_") for name in environ) or "glibc.malloc" in environ.get(
         "GLIBC_TUNABLES", ""
     ):
         return False
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    mmap_set = bool(libc.mallopt(m_mmap_threshold, KEPT_MMAP_THRESHOLD))
-    return mmap_set and bool(libc.mallopt(m_trim_threshold, KEPT_TRIM_THRESHOLD))
+    # (the mmap threshold first: fixing either turns glibc's adaptation off)
+    return _mallopt((_M_MMAP_THRESHOLD, KEPT_MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, KEPT_TRIM_THRESHOLD))

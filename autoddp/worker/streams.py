@@ -47,16 +47,18 @@ def of_caller(keep: bool = False) -> Streams:
         python_state=_digest(pickle.dumps(random.getstate(), protocol=pickle.HIGHEST_PROTOCOL)),
         numpy_state=numpy_state,
         torch_initial_seed=torch.initial_seed(),
-        states=pickle.dumps(_states(), protocol=pickle.HIGHEST_PROTOCOL) if keep else None,
+        states=pickle.dumps(states(), protocol=pickle.HIGHEST_PROTOCOL) if keep else None,
     )
 
 
-def _states() -> tuple:
+def states() -> tuple:
+    """torch's, ``random``'s and (if loaded) NumPy's global random states, as one tuple."""
     numpy = sys.modules.get("numpy")
     return torch.get_rng_state(), random.getstate(), numpy.random.get_state() if numpy else None
 
 
-def _set_states(states: tuple) -> None:
+def set_states(states: tuple) -> None:
+    """Put back what ``states`` returned."""
     torch.set_rng_state(states[0])
     random.setstate(states[1])
     numpy = sys.modules.get("numpy")
@@ -73,7 +75,7 @@ def seed_worker(streams: Streams, rank: int) -> int:
     """
     seed = derive(streams.torch_state, rank)
     if streams.states is not None:
-        _set_states(pickle.loads(streams.states))
+        set_states(pickle.loads(streams.states))
         return torch.initial_seed()
     torch.manual_seed(seed)
     random.seed(derive(streams.python_state, rank))
