@@ -1,9 +1,11 @@
 """Faults on two hosts for real (the network namespaces of tests/test_clusters_hosts.py): a node that
-never starts, an exception on node 1, a worker of node 1 that fails once with restarts allowed."""
+never starts, an exception on node 1, a worker of node 1 that fails once with restarts allowed, a
+node stopped or cut off. None of them leaves anything behind in /dev/shm or the temporary folder."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -14,6 +16,19 @@ from cluster_tools import HOSTS
 from test_clusters_hosts import _port, _start, hosts  # noqa: F401 - the fixture, used by name
 
 pytestmark = pytest.mark.timeout(150)
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind(tmp_path, monkeypatch):
+    """Every node's processes get a temporary folder of this test's (``TMPDIR``): it must be empty
+    after the run, and /dev/shm must hold nothing new of autoddp's."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setenv("TMPDIR", str(folder))
+    before = set(os.listdir("/dev/shm"))
+    yield
+    left = [name for name in os.listdir("/dev/shm") if name not in before and "autoddp" in name]
+    assert not left and not list(folder.iterdir()), (left, list(folder.iterdir()))
 
 
 def _master() -> str:
@@ -245,14 +260,46 @@ def _link(up: bool) -> None:
     subprocess.run(["ip", "netns", "exec", HOSTS[1][0], "ip", "link", "set", "autoddp-v1", state], check=True)
 
 
+#: A decorated function that trains for ``STEPS`` steps: ``python this.py NODE MASTER STEPS``.
+LONG_DECORATED = """
+import json, sys, time, torch, torch.distributed as dist, autoddp
+
+node, master, steps = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+
+@autoddp.distributed(nproc=1, nnodes=2, node_rank=node, master=master, timeout=15, hang_report=8)
+def train():
+    for step in range(steps):
+        dist.all_reduce(torch.ones(1))
+        if step == 0:
+            sys.stdout.write("training\\n")
+            sys.stdout.flush()
+        time.sleep(0.05)
+    return step
+
+try:
+    sys.stdout.write("RESULT " + json.dumps(train()) + "\\n")
+except BaseException as error:
+    found = {"type": type(error).__name__, "text": str(error), "notes": getattr(error, "__notes__", [])}
+    sys.stdout.write("FAILED " + json.dumps(found) + "\\n")
+    sys.exit(1)
+"""
+
+#: The script's own process group, with the collective timeout of the decorated one.
+PARTITIONED = 'import datetime; dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=15))'
+
+
+@pytest.mark.parametrize("front", ["command", "decorator"])
 @pytest.mark.parametrize("outage", [3.0, None])
-def test_node1_link_down_a_short_outage_recovers_a_long_one_ends_both(hosts, tmp_path, outage):  # noqa: F811
+def test_node1_link_down_a_short_outage_recovers_a_long_one_ends_both(hosts, tmp_path, outage, front):  # noqa: F811
+    steps, master = 150 if outage else 3000, _master()
     script = tmp_path / "long.py"
-    steps = 150 if outage else 3000
-    script.write_text(
-        LONG.replace('dist.init_process_group("gloo")', PARTITIONED).replace("3000", str(steps))
-    )
-    command = _command(_master(), script)
+    if front == "command":
+        own_group = LONG.replace('dist.init_process_group("gloo")', PARTITIONED)
+        script.write_text(own_group.replace("3000", str(steps)))
+        command = _command(master, script, "--hang-report", "8")
+    else:
+        script.write_text(LONG_DECORATED)
+        command = lambda node: ["python", str(script), str(node), master, str(steps)]  # noqa: E731
     started = [_start(node, command(node)) for node in (0, 1)]
     try:
         for p in started:
@@ -267,19 +314,32 @@ def test_node1_link_down_a_short_outage_recovers_a_long_one_ends_both(hosts, tmp
         _link(up=True)
         for p in started:
             p.kill()
-    (code0, _, err0, end0), (code1, _, err1, end1) = runs
+    (code0, out0, err0, end0), (code1, out1, err1, end1) = runs
     if outage:
         assert code0 == code1 == 0, (err0[-3000:], err1[-3000:])
+        assert "unreachable" not in err0 + err1 and "hang report" not in err0 + err1, (err0, err1)
         return
     assert code0 == code1 == 1, (err0[-3000:], err1[-3000:])
-    assert end0 - down < 40 and end1 - down < 60, (end0 - down, end1 - down)  # (a 10 s collective timeout)
+    assert end0 - down < 50 and end1 - down < 70, (end0 - down, end1 - down)  # (a 15 s collective timeout)
     assert re.search(
         r"autoddp: node 1 of 2 unreachable since \d\d:\d\d:\d\d \(no word from it for \d+ s\)", err0
     )
-    assert "node 1 of 2 unreachable since" in err0 and "and the collective timed out" in err0, err0
-    assert "node 0 of 2 unreachable since" in err1 and "and the collective timed out" in err1, err1
+    # the hang report, on either side, names the lost node, not what its ranks last did
+    assert re.search(
+        r"autoddp:   rank 1: node 1 of 2 unreachable since \d\d:\d\d:\d\d \(\d+ s\), so what it does is "
+        r"not known \(a network partition, or that machine stalls\)",
+        err0,
+    ), err0
+    assert "in no collective" not in err0 and "not running your code" not in err0, err0
+    assert re.search(
+        r"autoddp:   node 0 of 2 unreachable since .*: its ranks cannot reach this node's", err1
+    ), err1
+    told = err0 + out0, err1 + out1
+    assert "node 1 of 2 unreachable since" in told[0] and "and the collective timed out" in told[0], told[0]
+    assert "node 0 of 2 unreachable since" in told[1] and "and the collective timed out" in told[1], told[1]
+    if front == "decorator":
+        for out in (out0, out1):
+            found = json.loads(out.partition("FAILED ")[2])
+            assert any("unreachable since" in note for note in found["notes"]), found
     for err in (err0, err1):
         assert "recvValue" not in err and "Exception raised from" not in err, err  # no C++ stack dump
-
-
-PARTITIONED = 'import datetime; dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=10))'

@@ -402,6 +402,29 @@ def test_the_verdict_on_what_the_records_say():
     assert [s.kind for s in judge(together, 2, 100, 60)] == [verdict.TOGETHER]
 
 
+def test_the_ranks_of_an_unreachable_node_are_named_as_lost_not_by_their_last_record():
+    # node 0's view of every node: rank 1's node is lost, so its record is dropped (absent)
+    (gone,) = verdict.judge({0: _rec(0, record.COLLECTIVE, since=30), 1: None}, 2, now=100, seconds=60)
+    lost = message.Lost(ranks={1: "node 1 of 2 unreachable since 18:20:34 (12 s)"})
+    said = message.lines(gone, {}, 100, 60, 180, "all nodes", lost)
+    assert said[1:] == [
+        "  rank 1: node 1 of 2 unreachable since 18:20:34 (12 s), so what it does is not known "
+        "(a network partition, or that machine stalls)",
+        "  nothing is stopped: the run goes on if the unreachable nodes answer again before the "
+        "collective's timeout; this report repeats at most every 3 minutes while this lasts "
+        "(hang_report=60 s; 0 turns it off)",
+    ]
+    assert "not running your code" not in " ".join(said)
+    # another node's own view: every rank of it waits, and node 0 cannot be heard from
+    (together,) = verdict.judge({0: _rec(1, record.COLLECTIVE, 10, local=0)}, 1, 100, 60)
+    lost = message.Lost(nodes=("node 0 of 2 unreachable since 18:20:33 (13 s)",))
+    said = message.lines(together, {}, 100, 60, 180, "node 1 of 2", lost)
+    assert said[1] == (
+        "  node 0 of 2 unreachable since 18:20:33 (13 s): its ranks cannot reach this node's "
+        "(a network partition, or that machine stalls)"
+    )
+
+
 def test_ranks_are_written_as_ranges():
     assert message._ranks([1]) == "rank 1"
     assert message._ranks([3, 1, 2, 7, 5, 6, 9, 10]) == "ranks 1..3, 5..7, 9, 10"

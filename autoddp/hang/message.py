@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 
@@ -10,6 +11,17 @@ from autoddp.hang import record, stacks, verdict
 _LIBRARY_FRAMES = 4  # library frames shown below a late rank's own (where its code called into)
 _USER_FRAMES = 12
 _PATH_LINE = re.compile(r"(\S+\.py):(\d+)")
+_PARTITION = "a network partition, or that machine stalls"
+
+
+@dataclasses.dataclass(frozen=True)
+class Lost:
+    """The nodes the heartbeat cannot hear from, in words (``node 1 of 2 unreachable since
+    18:16:05 (12 s)``): in node 0's view of every node by global rank (``ranks``), in one node's
+    own view as a list (``nodes``)."""
+
+    ranks: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    nodes: tuple[str, ...] = ()
 
 
 def lines(
@@ -19,8 +31,10 @@ def lines(
     seconds: float,
     repeat: float,
     node: str = "",
+    lost: Lost = Lost(),
 ) -> list[str]:
-    """The report on ``situation`` (``frames``: stacks by local rank), one line per item."""
+    """The report on ``situation`` (``frames``: stacks by local rank), one line per item; the
+    ranks of unreachable nodes (``lost``) are named as such, not by their last record."""
     head = f"hang report{f' ({node})' if node else ''}"
     if situation.kind == verdict.RANK0_BUSY:
         return [_rank0_busy(situation, now)]
@@ -35,18 +49,28 @@ def lines(
             f"{head}: {waits}: every rank of this node waits, for ranks that run on other nodes "
             "(each node reports its own ranks)"
         ]
+        text += [f"  {words}: its ranks cannot reach this node's ({_PARTITION})" for words in lost.nodes]
     else:
         missing = [r.rank for r in situation.late] + _global(situation, situation.absent)
         text = [f"{head}: {_ranks(missing)} {_has(missing)} not arrived; {waits}"]
         text += [line for late in situation.late for line in _late(late, frames.get(late.local_rank), now)]
+        absent = _global(situation, situation.absent)
         text += [
             f"  {_ranks([rank])} is not running your code (still starting, or already done)"
-            for rank in _global(situation, situation.absent)
+            for rank in absent
+            if rank not in lost.ranks
         ]
+        for words in dict.fromkeys(lost.ranks[rank] for rank in absent if rank in lost.ranks):
+            ranks = [rank for rank in absent if lost.ranks.get(rank) == words]
+            does = "it does" if len(ranks) == 1 else "they do"
+            text.append(f"  {_ranks(ranks)}: {words}, so what {does} is not known ({_PARTITION})")
+        text += [f"  {words}: its ranks cannot reach this node's ({_PARTITION})" for words in lost.nodes]
         if situation.other_nodes:
             text.append("  (ranks on other nodes: each node reports its own)")
     minutes = f"{repeat / 60:g} minutes" if repeat >= 60 and repeat % 60 == 0 else f"{repeat:g} s"
     goes_on = "" if situation.kind == verdict.MISMATCH else ": the run goes on when the late ranks arrive"
+    if lost.nodes or set(lost.ranks) & set(_global(situation, situation.absent)):
+        goes_on = ": the run goes on if the unreachable nodes answer again before the collective's timeout"
     text.append(
         f"  nothing is stopped{goes_on}; this report repeats at most every {minutes} while this lasts "
         f"(hang_report={seconds:g} s; 0 turns it off)"

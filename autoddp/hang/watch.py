@@ -72,13 +72,15 @@ class Watch:
 
     def view(self, now: float) -> tuple[dict[int, record.Record | None], bool] | None:
         """(the records to judge, whether they are node 0's view of every node), or None when
-        node 0 reports for this node."""
+        node 0 reports for this node. The ranks of an unreachable node have no record in node 0's
+        view: their last one is old news."""
         records = self.read()
         if self.exchange is None:
             return records, False
         world = self.exchange.share(records, now, self._stacks_by_rank)
         if world is not None:
-            return world, True
+            lost = self.exchange.lost_ranks()
+            return {rank: None if rank in lost else r for rank, r in world.items()}, True
         return None if self.exchange.node0_combines() else (records, False)
 
     def tick(self, now: float) -> None:
@@ -129,7 +131,13 @@ class Watch:
                 self.quiet.add(situation.key)  # all in the same call on one node: no rank is late
                 return []
         node = "all nodes" if combined else self.node
-        return message.lines(situation, frames, now, self.seconds, self.repeat, node)
+        if self.exchange is None:
+            return message.lines(situation, frames, now, self.seconds, self.repeat, node)
+        if combined:  # the ranks of an unreachable node, by name
+            lost = message.Lost(ranks=self.exchange.lost_ranks())
+        else:  # this node's view: which nodes it cannot hear from
+            lost = message.Lost(nodes=tuple(self.exchange.unreachable().values()))
+        return message.lines(situation, frames, now, self.seconds, self.repeat, node, lost)
 
     def _stacks_by_rank(self, records: list[record.Record]) -> dict[int, list[stacks.Frame]]:
         """This node's stacks, by global rank."""

@@ -141,13 +141,17 @@ class Beat:
         if since is not None and last is not None:
             self.emit(f"node {node} of {self.nnodes} answers again, after {time.time() - since:.0f} s")
 
+    def unreachable(self) -> dict[int, str]:
+        """The nodes unreachable now, each in words (``node 1 of 2 unreachable since 18:16:05 (12 s)``)."""
+        now = time.time()
+        return {
+            node: f"node {node} of {self.nnodes} unreachable since {_clock(since)} ({now - since:.0f} s)"
+            for node, since in sorted(self.lost_since.items())
+        }
+
     def lost(self) -> str:
         """The nodes unreachable now, in words ('' for none)."""
-        now = time.time()
-        return "; ".join(
-            f"node {node} of {self.nnodes} unreachable since {_clock(since)} ({now - since:.0f} s)"
-            for node, since in sorted(self.lost_since.items())
-        )
+        return "; ".join(self.unreachable().values())
 
 
 def _clock(when: float) -> str:

@@ -118,7 +118,7 @@ def run_agent(
                 variables[hang_record.FOLDER_VARIABLE] = records
             # where a worker reports its error, and whether the launcher prefixes its lines
             own = {"AUTODDP_RUN_FOLDER": folder, "AUTODDP_LINE_PREFIX": "1" if output.prefixed else "0"}
-            exchange = _exchange(nodes, host, port)
+            exchange = _exchange(nodes, nproc, met)
             watch = Watch(records, nproc, hang_report, node=_node_name(nodes), exchange=exchange)
             failure: BaseException | None = None
             try:
@@ -205,11 +205,13 @@ def _began_elsewhere(lead: BaseException, met: meeting.Meeting | None, world_siz
     return error
 
 
-def _exchange(nodes: Nodes, host: str, port: int) -> Exchange | None:
-    """How this node's hang report reaches node 0's combined view (static rendezvous: its store)."""
-    if nodes.backend != "static" or nodes.node_rank is None:
+def _exchange(nodes: Nodes, nproc: int, met: meeting.Meeting | None) -> Exchange | None:
+    """How this node's hang report reaches node 0's combined view (static rendezvous: its store,
+    through the heartbeat's bounded calls, which also tell the nodes unreachable now)."""
+    if met is None or nodes.node_rank is None:
         return None
-    return Exchange(host, port, nodes.run_id, nodes.node_rank, nodes.max_nodes)
+    beat = met.beat
+    return Exchange(beat.call, nodes.run_id, nodes.node_rank, nodes.max_nodes, nproc, beat.unreachable)
 
 
 def _node_name(nodes: Nodes) -> str:
