@@ -59,3 +59,79 @@ def test_a_failing_script_still_reports_its_error(tmp_path):
     )
     proc = run_python(["-m", "autoddp.cli", "-n", "2", str(script)], cwd=tmp_path)
     assert proc.returncode == 1 and "ValueError: broken on purpose" in proc.stderr
+
+
+# The DDP tutorial's shape (pytorch/examples ddp-tutorial-series/multigpu_torchrun.py): a Trainer
+# holds the script's own DDP, ``main()`` destroys the group and returns, so the DDP is freed after
+# its group. Its reducer then dropped the group's last reference with the GIL held while a gloo
+# thread waited for the GIL to free a finished all-reduce made in a backward: a deadlock at exit.
+TUTORIAL = """
+    import sys, time, torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    class Trainer:
+        def __init__(self):
+            self.model = DDP(torch.nn.Linear(20, 1))
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+
+        def train(self, steps, late):
+            for step in range(steps):
+                x = torch.randn(32, 20, requires_grad=True)
+                if late and step == steps - 1 and dist.get_rank() == 0:
+                    # one more all-reduce made at the end of the backward (after DDP's) and
+                    # never waited for: the race's window held open (rank 1 matches it 3 s later)
+                    late_all_reduce = lambda: dist.all_reduce(torch.ones(21), async_op=True) and None
+                    engine = torch.autograd.Variable._execution_engine
+                    x.register_hook(lambda g: engine.queue_callback(late_all_reduce))
+                self.optimizer.zero_grad()
+                torch.nn.functional.mse_loss(self.model(x), torch.zeros(32, 1)).backward()
+                self.optimizer.step()
+            if dist.get_rank() == 0:
+                torch.save(self.model.module.state_dict(), "snapshot.pt")
+            if late and dist.get_rank() == 1:
+                time.sleep(3)
+                dist.all_reduce(torch.ones(21))
+
+    def main(late=False):
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        trainer = Trainer()
+        trainer.train(8, late)
+        dist.destroy_process_group()
+        print(f"trained {dist.is_initialized()}")
+
+    if __name__ == "__main__":
+        if "--decorated" in sys.argv:
+            import autoddp
+            autoddp.distributed(nproc=2)(main)("--late" in sys.argv)
+        else:
+            main("--late" in sys.argv)
+"""
+
+
+def _tutorial(tmp_path, how: str, *flags: str):
+    script = write(tmp_path / "tutorial.py", TUTORIAL)
+    if how == "decorator":
+        args = [str(script), "--decorated", *flags]
+    else:
+        off = ["--no-capture"] if how == "no-capture" else []
+        args = ["-m", "autoddp.cli", "-n", "2", *off, str(script), *flags]
+    return run_python(args, cwd=tmp_path, timeout=60)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("how", ["command", "no-capture", "decorator"])
+def test_a_ddp_freed_after_its_group_was_destroyed_ends_even_with_an_all_reduce_in_flight(tmp_path, how):
+    proc = _tutorial(tmp_path, how, "--late")
+    assert proc.returncode == 0, proc.stderr
+    assert "trained False" in proc.stdout and "Traceback" not in proc.stderr, proc.stderr
+    assert (tmp_path / "snapshot.pt").exists()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how, runs", [("command", 5), ("decorator", 3)])
+def test_the_tutorial_shape_ends_in_every_one_of_many_runs(tmp_path, how, runs):
+    for run in range(runs):
+        proc = _tutorial(tmp_path, how)
+        assert proc.returncode == 0, f"run {run + 1} of {runs}: {proc.stderr}"
+        assert "trained False" in proc.stdout, proc.stdout

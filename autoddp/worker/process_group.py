@@ -149,7 +149,8 @@ class _GroupJoined:
 
                 CURRENT.release_wrapped()
                 gc.collect()
-                dist.destroy_process_group()
+                if dist.is_initialized():  # (the function may have ended the group itself)
+                    dist.destroy_process_group()
         finally:
             self.current.__exit__(exc_type, *rest)
 

@@ -23,6 +23,7 @@ from autoddp._prepare import prepare
 from autoddp.hang import marks
 from autoddp.state import CURRENT, RunOptions, World
 from autoddp.worker import finished, process_group, streams
+from autoddp.worker.kept_groups import KeptGroups
 
 
 @dataclasses.dataclass
@@ -49,7 +50,10 @@ def run_in_world(job: Job, world: World, finish: Callable[[Any], Any]) -> Any:
     ``finish`` runs on every rank while the group still exists, so it may use collectives (a
     sharded model is gathered there).
     """
-    with process_group.joined(world, job.backend, job.timeout, job.options):
+    kept = KeptGroups()  # the groups of the function's own DDP models, dropped after the group ends
+    with contextlib.ExitStack() as stack:
+        stack.callback(kept.release)
+        stack.enter_context(process_group.joined(world, job.backend, job.timeout, job.options))
         previous, CURRENT.function = CURRENT.function, _where(job.fn)
         outer_seeds = CURRENT.seeds  # a nested call in place keeps the outer call's seeds
         if job.streams is not None:
@@ -58,7 +62,12 @@ def run_in_world(job: Job, world: World, finish: Callable[[Any], Any]) -> Any:
             with marks.marking(CURRENT.world or world):  # the hang report's record, in watched workers
                 args, kwargs = prepare(job.args), prepare(job.kwargs)
                 with _capturing(job.options, CURRENT.world or world):
-                    result = job.fn(*args, **kwargs)
+                    if world.world_size > 1:
+                        kept.install()
+                    try:
+                        result = job.fn(*args, **kwargs)
+                    finally:
+                        kept.uninstall()
                 del args, kwargs
             if world.world_size > 1:
                 finished.mark_finished(world.rank)  # (peers still in a collective are told why)

@@ -38,6 +38,7 @@ from autoddp.environment import hardware, preflight
 from autoddp.hang import marks
 from autoddp.state import RunOptions, World
 from autoddp.worker import finished, process, process_group, transport
+from autoddp.worker.kept_groups import KeptGroups
 from autoddp.worker.placement import own_gpu
 
 
@@ -109,35 +110,42 @@ def _runner_flags(argv: list[str]) -> tuple[bool, RunOptions, datetime.timedelta
     return capture_on, options, timeout, argv
 
 
-def _run_captured(argv: list[str]) -> None:
-    """Run the script, under capture unless the command said ``--no-capture``."""
+def _run_captured(argv: list[str], kept: KeptGroups) -> None:
+    """Run the script, under capture unless the command said ``--no-capture``; the groups of its
+    own DDP models are ``kept`` (released after its atexit hooks)."""
     capture_on, options, timeout, argv = _runner_flags(argv)
     with marks.marking(environment.detect().world()):  # the hang report's record (outermost hooks)
         session = _start_capture(capture_on, options, timeout)
+        kept.install()
         try:
             _run(argv)
         finally:
+            kept.uninstall()
             if session is not None:
                 session.uninstall()
 
 
-def main(leave_groups_at_exit: bool = True) -> None:
+def main(leave_groups_at_exit: bool = True, kept: KeptGroups | None = None) -> None:
     """Run the script named in ``sys.argv`` as this interpreter's program.
 
     ``leave_groups_at_exit``: end the process groups the script left open at exit. A forked
     worker leaves with ``os._exit`` (no interpreter teardown, so no abort of gloo's threads to
     prevent), and ending the group there would leave the script's own DDP to be freed after its
-    group, when atexit lets go of the script's hooks (a deadlock in gloo).
+    group, when atexit lets go of the script's hooks (a deadlock in gloo). ``kept``: the groups
+    of the script's DDP models, released by the caller after the atexit hooks (else at exit here).
     """
     process.die_with_parent()
     run_folder = os.environ.get("AUTODDP_RUN_FOLDER")
     if run_folder:  # where this rank was if autoddp stops it (a peer timed out or died waiting for it)
         process.STACK_DUMP.arm(run_folder, int(os.environ.get("RANK", "0")))
+    if kept is None:
+        kept = KeptGroups()
+        atexit.register(kept.release)  # registered first, so it runs last
     if leave_groups_at_exit:
         # Registered before the script runs, so it runs after the script's own atexit hooks.
         atexit.register(_leave_cleanly)
     try:
-        _run_captured(sys.argv[1:])
+        _run_captured(sys.argv[1:], kept)
     except SystemExit as stop:
         folder = os.environ.get("AUTODDP_RUN_FOLDER")
         if folder and stop.code not in (None, 0):  # the launcher names the rank and the code
@@ -179,8 +187,9 @@ def run_script_forked(argv: list[str]) -> None:
             signal.signal(getattr(signal, name), signal.SIG_DFL)
     sys.argv = [sys.argv[0], *argv]
     code: Any = 0
+    kept = KeptGroups()
     try:
-        main(leave_groups_at_exit=False)
+        main(leave_groups_at_exit=False, kept=kept)
     except SystemExit as stop:
         code = stop.code
     if isinstance(code, str):  # as the interpreter does for sys.exit("message")
@@ -195,6 +204,7 @@ def run_script_forked(argv: list[str]) -> None:
         # collect the others: a peer still in a collective with it would wait, not fail.
         gc.collect()
         _leave_cleanly()
+        kept.release()  # the last references of the script's groups: gloo's threads end, unblocked
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
