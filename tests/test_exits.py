@@ -135,3 +135,67 @@ def test_the_tutorial_shape_ends_in_every_one_of_many_runs(tmp_path, how, runs):
         proc = _tutorial(tmp_path, how)
         assert proc.returncode == 0, f"run {run + 1} of {runs}: {proc.stderr}"
         assert "trained False" in proc.stdout, proc.stdout
+
+
+# What runs after the user's code, inside autoddp's end of a worker, can still block: an object
+# freed there whose ``__del__`` never returns (here on one rank), a destructor waiting for a thread.
+STUCK_AFTER = """
+    import atexit, gc, sys, time
+    import torch, torch.distributed as dist
+
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            time.sleep(3600)  # never returns in time
+
+    def train(stuck_rank):
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        gc.disable()  # (the cycle is freed by autoddp's own collection, after the user's code)
+        if dist.get_rank() == stuck_rank:
+            held = Cycle()
+            if "--decorated" not in sys.argv:  # a script's: let go of after its atexit hooks ran
+                atexit.register(lambda: held)
+        print(f"trained {t.item():.0f}")
+        return "the result"
+
+    if __name__ == "__main__":
+        stuck = int(sys.argv[1])
+        if "--decorated" in sys.argv:
+            import autoddp
+            try:
+                print("returned:", autoddp.distributed(nproc=2)(train)(stuck))
+            except autoddp.WorkerError as error:
+                print(f"WorkerError of rank {error.rank}: {error}")
+        else:
+            train(stuck)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how, stuck", [("command", 0), ("command", 1), ("decorator", 1), ("decorator", 0)])
+def test_a_rank_that_does_not_end_after_the_users_code_is_named_with_its_stack_and_the_run_ends(
+    tmp_path, monkeypatch, how, stuck
+):
+    monkeypatch.setenv("AUTODDP_EXIT_SECONDS", "3")
+    script = write(tmp_path / "stuck.py", STUCK_AFTER)
+    if how == "decorator":
+        args = [str(script), str(stuck), "--decorated"]
+    else:
+        args = ["-m", "autoddp.cli", "-n", "2", str(script), str(stuck)]
+    proc = run_python(args, cwd=tmp_path, timeout=90)
+    said = f"autoddp: rank {stuck} finished your code, but its process had not ended"
+    assert said in proc.stderr, proc.stderr
+    where = proc.stderr.split(said, 1)[1]
+    assert "in __del__" in where and "stuck.py" in where, where
+    if how == "command":
+        assert proc.returncode == 0, proc.stderr  # the user's own status: the script ended well
+        assert "trained 2" in proc.stdout
+    elif stuck == 1:
+        assert proc.returncode == 0 and "returned: the result" in proc.stdout, proc.stderr
+    else:  # rank 0 stopped before it wrote its result: said, not a silent None
+        assert "WorkerError of rank 0: rank 0 finished your function but never ended" in proc.stdout

@@ -9,6 +9,7 @@ root-cause failure as the original exception. Every attempt gets a fresh run fol
 from __future__ import annotations
 
 import functools
+import signal
 import sys
 import uuid
 from collections.abc import Callable
@@ -16,11 +17,12 @@ from typing import Any
 
 from autoddp import _warn
 from autoddp.environment import LOOPBACK, preflight
-from autoddp.errors import ConfigurationError, SerializationError
+from autoddp.errors import ConfigurationError, SerializationError, WorkerError
 from autoddp.hang import record as hang_record
 from autoddp.hang.watch import Watch
 from autoddp.launch import diagnostics
 from autoddp.launch.contract import DEFAULT_ROLE, Contract, worker_envs
+from autoddp.launch.exits import Exits
 from autoddp.launch.failures import first_failure
 from autoddp.launch.output import Output, announce_exit, one_line, say, show_hidden_output
 from autoddp.launch.start_method import choose_start_method, preload_for_forked_workers
@@ -72,7 +74,7 @@ def launch_function(
 
     contract = Contract(nproc, max_restarts=max_restarts)
     with acting_on_signals():
-        return _with_restarts(workers, contract, method, output=output, hang_report=hang_report)
+        return _with_restarts(workers, contract, method, output=output, hang_report=hang_report, returns=True)
 
 
 def launch_script(
@@ -124,13 +126,19 @@ def _with_restarts(
     output: Output | None = None,
     hang_report: float = hang_record.DEFAULT_SECONDS,
     port: int | None = None,
+    returns: bool = False,
 ) -> Any:
-    """Run attempts until one succeeds or ``contract.max_restarts`` restarts are spent."""
+    """Run attempts until one succeeds or ``contract.max_restarts`` restarts are spent.
+
+    ``returns``: rank 0 writes a result (a function's), which a run must not end without.
+    """
     output = output or Output()
     max_restarts, nproc = contract.max_restarts, contract.nproc
     for attempt in range(max_restarts + 1):
         try:
-            return _attempt(workers, contract, method, attempt, poll_seconds, output, hang_report, port)
+            return _attempt(
+                workers, contract, method, attempt, poll_seconds, output, hang_report, port, returns
+            )
         except (ConfigurationError, SerializationError, KeyboardInterrupt):
             raise
         except BaseException as error:
@@ -151,6 +159,7 @@ def _attempt(
     output: Output,
     hang_report: float,
     port: int | None,
+    returns: bool = False,
 ) -> Any:
     """One start of all workers, in a fresh run folder with a fresh store (no stale keys)."""
     nproc = contract.nproc
@@ -164,8 +173,18 @@ def _attempt(
                 if hang_report > 0:  # the workers keep their hang records there
                     env[hang_record.FOLDER_VARIABLE] = records
             watch = functools.partial(Watch, records, nproc, hang_report)
-            context, result = supervise(entry, entry_args, envs, method, poll_seconds, logs, watch)
-        if result.is_failed():
+            exits = Exits(folder, nproc)
+            context, result = supervise(entry, entry_args, envs, method, poll_seconds, logs, watch, exits)
+        if result.is_failed() and exits.report({f.local_rank for f in result.failures.values()}):
+            if returns and not transport.has_result(folder):
+                raise WorkerError(
+                    "rank 0 finished your function but never ended, before its result was written "
+                    "(see its stacks above); nothing to return",
+                    rank=0,
+                    exitcode=-signal.SIGTERM,
+                    signal="SIGTERM",
+                )
+        elif result.is_failed():
             error = first_failure(context, result, folder, nproc, records if hang_report > 0 else "")
             traces = diagnostics.keep_traces(folder, output.log_dir)
             if traces is not None:  # (the run folder goes with the run)

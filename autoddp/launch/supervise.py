@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from autoddp.errors import WorkerError
+from autoddp.launch.exits import Exits
 from autoddp.launch.output import say
 
 POLL_SECONDS = 0.05
@@ -26,11 +27,13 @@ def supervise(
     poll_seconds: float,
     logs: tuple[Any, dict[int, str]],
     watch: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    exits: Exits | None = None,
 ) -> Any:
     """Start the workers with elastic's multiprocessing and wait for all to end or one to fail.
 
-    ``watch`` (the hang report) runs while they do; it starts once they have started, so that no
-    thread of it is running when forked workers are made.
+    ``watch`` (the hang report) and ``exits`` (a rank that never ends after the user's code) run
+    while they do; they start once the workers have, so that no thread of theirs is running when
+    forked workers are made.
     """
     from torch.distributed.elastic.multiprocessing import start_processes
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -50,7 +53,8 @@ def supervise(
                 log_line_prefixes=prefixes,
                 start_method="fork" if method == "fork" else "spawn",
             )
-            with watch():
+            ended = exits.watching(context.pids) if exits is not None else contextlib.nullcontext()
+            with watch(), ended:
                 return context, context.wait(period=poll_seconds)
         except SignalException as exc:  # (start_processes closes its workers itself if it fails)
             if context is not None:

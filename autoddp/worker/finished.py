@@ -27,7 +27,26 @@ def mark_finished(rank: int) -> None:
 
 def finished_ranks(folder: str) -> set[int]:
     """The ranks that said ``mark_finished``."""
+    return marked(folder, "finished")
+
+
+#: After the user's code and its atexit hooks, autoddp's own end of a worker begins (``leaving``)
+#: and ends (``ended``); the launcher names a rank that leaves and never ends (``launch.exits``).
+LEAVING, ENDED = "leaving", "ended"
+
+
+def mark(rank: int, stage: str) -> None:
+    """In a worker an autoddp launcher started: this rank reached ``stage`` (``LEAVING``, ``ENDED``)."""
+    folder = os.environ.get("AUTODDP_RUN_FOLDER")
+    if folder and os.environ.get("WORLD_SIZE", "1") != "1":
+        with contextlib.suppress(OSError):
+            write_private(os.path.join(folder, f"{stage}-{rank}"), b"")
+
+
+def marked(folder: str, stage: str) -> set[int]:
+    """The ranks that reached ``stage`` (``"finished"``, ``LEAVING``, ``ENDED``)."""
+    prefix = f"{stage}-"
     with contextlib.suppress(OSError):
         names = os.listdir(folder)
-        return {int(n.split("-", 1)[1]) for n in names if n.startswith("finished-") and n[9:].isdigit()}
+        return {int(n[len(prefix) :]) for n in names if n.startswith(prefix) and n[len(prefix) :].isdigit()}
     return set()

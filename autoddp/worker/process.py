@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import faulthandler
+import functools
 import gc
 import multiprocessing
 import os
@@ -21,7 +22,7 @@ import torch
 
 from autoddp import _compat, environment
 from autoddp.errors import AutoDDPError
-from autoddp.worker import placement, transport
+from autoddp.worker import finished, placement, transport
 from autoddp.worker.running import Job, portable, run_in_world
 
 
@@ -73,13 +74,20 @@ def _execute(job: Job, folder: str) -> int:
             )
         if not _compat.cuda_in_bad_fork():
             _pin_own_gpu()  # (forked workers too: a run on gloo beside GPUs computes there as well)
-        result = run_in_world(job, world, finish=portable)
+        result = run_in_world(job, world, finish=functools.partial(_leaving, world.rank))
         if world.rank == 0:
             transport.save_result(folder, result, job.fn_name)
+        finished.mark(world.rank, finished.ENDED)
         return 0
     except BaseException as exc:
         transport.save_error(folder, world.rank, exc)
         return 1
+
+
+def _leaving(rank: int, result: Any) -> Any:
+    """The function returned: from here on the launcher expects this worker to end (``launch.exits``)."""
+    finished.mark(rank, finished.LEAVING)
+    return portable(result)
 
 
 class _StackDump:

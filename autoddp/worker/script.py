@@ -140,7 +140,7 @@ def main(leave_groups_at_exit: bool = True, kept: KeptGroups | None = None) -> N
         process.STACK_DUMP.arm(run_folder, int(os.environ.get("RANK", "0")))
     if kept is None:
         kept = KeptGroups()
-        atexit.register(kept.release)  # registered first, so it runs last
+        atexit.register(_ended_here, kept)  # registered first, so it runs last
     if leave_groups_at_exit:
         # Registered before the script runs, so it runs after the script's own atexit hooks.
         atexit.register(_leave_cleanly)
@@ -202,9 +202,11 @@ def run_script_forked(argv: list[str]) -> None:
     if not code and _ENDED_WELL[0]:
         # A rank that is done must not keep its connections open while it waits for elastic to
         # collect the others: a peer still in a collective with it would wait, not fail.
+        finished.mark(_rank(), finished.LEAVING)
         gc.collect()
         _leave_cleanly()
         kept.release()  # the last references of the script's groups: gloo's threads end, unblocked
+        finished.mark(_rank(), finished.ENDED)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -251,10 +253,22 @@ def _leave_cleanly() -> None:
     """
     if not _ENDED_WELL[0]:
         return
+    finished.mark(_rank(), finished.LEAVING)  # (idempotent: a forked worker marked it already)
     try:
         process_group.leave_open_groups()
     except Exception as error:  # the script succeeded: say so, do not turn it into a failure
         print(f"autoddp: could not end the process group the script left open: {error}", file=sys.stderr)
+
+
+def _ended_here(kept: KeptGroups) -> None:
+    """The last of a fresh interpreter's atexit hooks: let go of the kept groups, then say so."""
+    kept.release()
+    if _ENDED_WELL[0]:
+        finished.mark(_rank(), finished.ENDED)
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
 
 
 if __name__ == "__main__":

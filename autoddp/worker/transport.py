@@ -210,6 +210,11 @@ def save_result(folder: str, value: Any, fn_name: str) -> None:
         ) from exc
 
 
+def has_result(folder: str) -> bool:
+    """Whether rank 0 wrote its result."""
+    return os.path.exists(os.path.join(folder, _RESULT))
+
+
 def load_result(folder: str) -> Any:
     """Rank 0's return value, every tensor on the CPU (``portable`` moved those it could reach;
     one inside an object of the user's comes to the CPU here, so the caller never gets a CUDA
