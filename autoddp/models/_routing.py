@@ -112,8 +112,8 @@ def _adopt_compile(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
     else:
         _warn.warn(
             f"{type(module).__name__} runs uncompiled: torch.compile traced it inside another module "
-            f"after autoddp had wrapped it, and its DDP cannot run inside a compiled graph. Compile "
-            f"{type(module).__name__} itself (torch.compile({type(module).__name__.lower()}) or .compile())."
+            f"after autoddp had wrapped it, and its DDP cannot run inside a compiled graph: compile "
+            f"the {type(module).__name__} itself (model = torch.compile(model)), not a module around it"
         )
     return _call(module, *args, **kwargs)
 
