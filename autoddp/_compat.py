@@ -9,6 +9,7 @@ upgrade that breaks one fails there, loudly, before it can fail a user's run.
 from __future__ import annotations
 
 import atexit
+import sys
 from typing import Any
 
 import torch
@@ -149,6 +150,51 @@ def compile_in_place(module: torch.nn.Module, context: Any) -> None:
     call_impl = _need(module, "_call_impl", "to keep a model's torch.compile compilation")
     _need(module, "_compiled_call_impl", "to keep a model's torch.compile compilation")
     module._compiled_call_impl = context(wrap_inline(call_impl))
+
+
+def compile_result_calling(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The ``torch.compile`` result whose call is running now with ``module`` inside; None if none.
+
+    Found among the callers' frames of dynamo's ``OptimizedModule.__call__`` (its ``self``): a result
+    made over a module after autoddp wrapped it has no other way back to its compile settings.
+    """
+    from torch._dynamo import eval_frame
+
+    optimized = _need(eval_frame, "OptimizedModule", "the class of a torch.compile result")
+    code = _need(optimized, "__call__", "the call of a torch.compile result").__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            result = frame.f_locals.get("self")
+            if result is not None and compiled_parts(result) is not None and result._orig_mod is module:
+                return result
+        frame = frame.f_back
+    return None
+
+
+def routed_call(module: torch.nn.Module) -> Any:
+    """What ``module(...)`` runs instead of its own call (``route_calls``, ``Module.compile()``); or None."""
+    _need(torch.nn.Module, "_compiled_call_impl", "to see calls of a submodule")
+    return module.__dict__.get("_compiled_call_impl")
+
+
+def own_call(module: torch.nn.Module) -> Any:
+    """``module``'s own call (hooks and ``forward``), which ``module(...)`` runs unless routed."""
+    return _need(module, "_call_impl", "to see calls of a submodule")
+
+
+def route_calls(module: torch.nn.Module, handler: Any) -> None:
+    """Have ``module(...)`` run ``handler`` (None: its own call again), pickled with nothing of it.
+
+    ``Module.__call__`` runs ``_compiled_call_impl`` when one is set (``Module.compile()`` sets
+    it), and ``Module.__getstate__`` leaves it out of pickles and copies: a submodule keeps its
+    class, and ``torch.save(model)`` writes what one process writes.
+    """
+    _need(torch.nn.Module, "_compiled_call_impl", "to see calls of a submodule")
+    if handler is None:
+        module.__dict__.pop("_compiled_call_impl", None)
+    else:
+        module.__dict__["_compiled_call_impl"] = handler
 
 
 def run_atexit_hooks() -> None:

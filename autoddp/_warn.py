@@ -17,12 +17,23 @@ from autoddp.state import CURRENT
 
 #: Which (text, category, line) were shown when attributed explicitly: each is shown once.
 _REGISTRY: dict = {}
+#: Which (text, category, file, line, module) were shown instead of raised (the user's filters said error).
+_SHOWN: set = set()
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
-    """Issue ``message`` attributed to the user's line (see the module docstring)."""
+    """Issue ``message`` attributed to the user's line (see the module docstring), never as an error."""
     frame = sys._getframe(1)
     user = _frames.user_frame(frame)  # None beyond the call path: the worker's machinery
+    if user is not None:
+        where = (user.f_code.co_filename, user.f_lineno, user.f_globals.get("__name__", ""))
+    else:
+        where = (*(CURRENT.function or ("<autoddp>", 0)), "autoddp")
+    if _would_raise(message, category, where[2], where[1]):
+        if (message, category, *where) not in _SHOWN:  # (shown once per line, as "default" shows)
+            _SHOWN.add((message, category, *where))
+            warnings.showwarning(category(message), category, where[0], where[1])
+        return
     if user is not None:
         level = 2  # 1 would be this function's own call of warnings.warn
         while frame is not user:
@@ -32,3 +43,20 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
         return
     filename, lineno = CURRENT.function or ("<autoddp>", 0)
     warnings.warn_explicit(message, category, filename, lineno, module="autoddp", registry=_REGISTRY)
+
+
+def _would_raise(text: str, category: type[Warning], module: str, lineno: int) -> bool:
+    """Whether the user's warning filters turn this warning into an exception (``-W error``,
+    ``PYTHONWARNINGS=error``, ``warnings.simplefilter("error")``), matched as ``warnings`` matches.
+
+    autoddp's notes must never change a script's control flow: such a warning is printed instead.
+    """
+    for action, pattern, kind, modules, line in warnings.filters:
+        if (
+            (pattern is None or pattern.match(text))
+            and issubclass(category, kind)
+            and (modules is None or modules.match(module))
+            and line in (0, lineno)
+        ):
+            return action == "error"
+    return warnings.defaultaction == "error"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import multiprocessing
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
@@ -130,6 +131,7 @@ def _call(options: Options, wrapped: Callable[..., Any], instance: Any, args: tu
     plan = options.nodes
     if plan.multi or nproc > 1:
         job.streams = streams.of_caller(keep=options.split_batches)
+        job.start_method = multiprocessing.get_start_method(allow_none=True)
     if plan.multi:
         from autoddp.launch import nodes  # (the launch machinery loads when it is first needed)
 

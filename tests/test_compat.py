@@ -100,6 +100,41 @@ def test_compiled_parts_and_compiling_the_module_in_place():
     assert torch.equal(inner(x), torch.nn.functional.linear(x, plain.weight, plain.bias))
 
 
+def test_the_compile_result_calling_a_module_is_found_from_inside_its_call():
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            seen.append(untraced(self))  # (as autoddp asks: from outside the traced code)
+            return x
+
+    untraced = torch.compiler.disable(_compat.compile_result_calling)
+    probe = Probe()
+    assert _compat.compile_result_calling(probe) is None
+    compiled = torch.compile(probe, backend="eager")
+    compiled(torch.ones(2))
+    assert seen[-1] is compiled and _compat.compiled_parts(compiled)[0] is probe
+
+
+def test_calls_of_a_module_are_routed_and_left_out_of_pickles():
+    import pickle
+
+    layer = torch.nn.Linear(3, 2)
+    assert _compat.routed_call(layer) is None
+    unrouted = pickle.dumps(layer, 2)
+    own = _compat.own_call(layer)
+    calls = []
+    _compat.route_calls(layer, lambda *args: calls.append(args) or own(*args))
+    x = torch.randn(4, 3)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)) and len(calls) == 1
+    assert _compat.routed_call(layer) is not None
+    assert pickle.dumps(layer, 2) == unrouted  # nothing of the routing in it
+    copy = pickle.loads(pickle.dumps(layer, 2))
+    assert _compat.routed_call(copy) is None
+    _compat.route_calls(layer, None)
+    assert _compat.routed_call(layer) is None
+
+
 def test_inherited_atexit_hooks_can_be_dropped():
     code = (
         "import atexit, os\n"

@@ -64,6 +64,7 @@ def _check_cost(tensors: int) -> float:
 
 def _watchers() -> dict:
     """Which submodules count calls made beside the DDP: only those of a model an optimizer's guard reads."""
+    from autoddp import _compat
     from autoddp.models import _averaging
 
     prepared = autoddp.prepare(_layers())
@@ -73,8 +74,8 @@ def _watchers() -> dict:
     guarded[1] = nn.Linear(4, 4)  # (a rebuilt DDP keeps them)
     _averaged(guarded, torch.float32)
     return {
-        "prepared": ["forward" in layer.__dict__ for layer in prepared],
-        "guarded": ["forward" in layer.__dict__ for layer in guarded],
+        "prepared": [_compat.routed_call(layer) is not None for layer in prepared],
+        "guarded": [_compat.routed_call(layer) is not None for layer in guarded],
     }
 
 

@@ -11,7 +11,6 @@ lives with its strategy.
 
 from __future__ import annotations
 
-import copyreg
 import types
 from typing import Any
 
@@ -24,17 +23,54 @@ PRIVATE_PREFIX = "_autoddp_"
 
 
 def plain_reduce(self: torch.nn.Module, protocol: int) -> tuple:
-    """Pickle as the plain class: rebuilt by the standard library's ``copyreg._reconstructor``
-    (``object.__new__(cls)``, then the class's own ``__setstate__``), so the pickle names nothing
-    of autoddp and loads with plain torch where autoddp is not installed; ``copy.deepcopy`` too."""
-    plain = getattr(type(self), PLAIN_CLASS)
-    getstate = getattr(plain, "__getstate__", None)
-    state = getstate(self) if getstate is not None and getstate is not object.__getstate__ else None
-    if state is None:
-        state = self.__dict__
+    """Pickle as the plain class, exactly as one process pickles it: the same globals and opcodes
+    (``copyreg.__newobj__`` and the user's class, so ``torch.load`` under ``safe_globals([Net])``
+    loads it), nothing of autoddp in it (it loads where autoddp is not installed); ``copy`` too.
+
+    The plain class's own reduction runs with the module's class set to the plain one for the
+    moment (the pickler checks ``__class__`` against the class it writes); the class swaps back
+    when the pickler reads the reduction's (empty) list items, or when the reduction is dropped.
+    """
+    swapped, plain = type(self), getattr(type(self), PLAIN_CLASS)
+    self.__class__ = plain
+    try:
+        reduced = plain.__reduce_ex__(self, protocol)
+    except BaseException:
+        self.__class__ = swapped
+        raise
+    if isinstance(reduced, str):  # a global's name: nothing of the instance is pickled
+        self.__class__ = swapped
+        return reduced
+    func, args, state, items, *rest = (*reduced, None, None, None)[:5]
     if isinstance(state, dict):
         state = {key: value for key, value in state.items() if not key.startswith(PRIVATE_PREFIX)}
-    return (copyreg._reconstructor, (plain, object, None), state)
+    return (func, args, state, _SwapBack(self, swapped, items), *rest)
+
+
+class _SwapBack:
+    """The list items of a swapped module's reduction (none, or the plain class's own): reading
+    them gives the module its swapped class back, as does dropping them unread (an error)."""
+
+    __slots__ = ("cls", "items", "module")
+
+    def __init__(self, module: torch.nn.Module, cls: type, items: Any) -> None:
+        self.module, self.cls, self.items = module, cls, items
+
+    def __iter__(self) -> _SwapBack:
+        return self
+
+    def __next__(self) -> Any:
+        self.swap_back()
+        if self.items is None:
+            raise StopIteration
+        return next(self.items)
+
+    def swap_back(self) -> None:
+        if self.module is not None:
+            self.module.__class__, self.module = self.cls, None
+
+    def __del__(self) -> None:
+        self.swap_back()
 
 
 def _call_inner(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -4,12 +4,15 @@ The user's module keeps its identity; its class becomes a cached subclass (same 
 qualified name) whose ``__call__`` asks the module's ``Replica`` (kept in the instance's
 ``__dict__``) for an up-to-date DDP while gradients are recorded, and runs the plain module
 otherwise. ``no_sync`` is always there (a no-op without DDP). Pickling, ``torch.save(model)``
-and ``copy.deepcopy`` give the plain class without autoddp's attributes. User methods that
-compute with gradients without calling the model warn once (DDP cannot see them).
+and ``copy.deepcopy`` give what one process gives: the plain class, the same globals, nothing of
+autoddp (``_class_swap.plain_reduce``). User methods that compute with gradients without calling
+the model warn once (DDP cannot see them). A ``torch.compile`` result made over the module after
+it was wrapped compiles the module's own calls in place (``_adopt_compile``), as one made before.
 
 The submodules owning parameters keep their own class (``type(m) is nn.Linear`` holds); once an
 optimizer's guard (``_averaging``, capture's) reads the counts, each gets
-a ``forward`` in its instance ``__dict__`` (``watch``) that counts, on the root's replica, backward
+its calls routed through a watcher (``watch``; ``_compat.route_calls``, which pickles leave out)
+that counts, on the root's replica, backward
 passes through calls made outside the DDP's forward (``model.encoder(x)`` beside ``model(x)``),
 so that the optimizer's guard averages those gradients (``_averaging``). Inside the DDP's forward
 (every normal step) it costs one method call and two attribute reads per submodule call.
@@ -18,7 +21,6 @@ so that the optimizer's guard averages those gradients (``_averaging``). Inside 
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import threading
 import types
@@ -27,7 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
-from autoddp import _warn
+from autoddp import _compat, _warn
 from autoddp.models import _class_swap, _split
 from autoddp.state import CURRENT
 
@@ -68,6 +70,8 @@ _ROUTING = _Routing()
 
 
 def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    if torch.compiler.is_compiling():  # traced: a torch.compile result made after the wrapping
+        return torch.compiler.disable(_adopt_compile)(self, args, kwargs)
     plain = getattr(type(self), _class_swap.PLAIN_CLASS)
     replica = self.__dict__.get(REPLICA_ATTR)
     if replica is None or _ROUTING.inside or not torch.is_grad_enabled():
@@ -90,6 +94,28 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         raise explained from error
     finally:
         _ROUTING.inside = replica.inside = False
+
+
+def _adopt_compile(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+    """A call that torch.compile was tracing: autoddp's routing and DDP run untraced, as always.
+
+    ``torch.compile(model)`` after autoddp wrapped ``model`` (after the optimizer) gets what
+    compiling it before gives: the module's own calls compiled in place with the result's
+    settings, the result calling through the module. A module traced inside another compiled
+    module runs uncompiled, and says so.
+    """
+    result = _compat.compile_result_calling(module)
+    parts = None if result is None else _compat.compiled_parts(result)
+    if parts is not None:
+        _compat.compile_in_place(module, parts[1])
+        _class_swap.redirect_compiled(result)
+    else:
+        _warn.warn(
+            f"{type(module).__name__} runs uncompiled: torch.compile traced it inside another module "
+            f"after autoddp had wrapped it, and its DDP cannot run inside a compiled graph: compile "
+            f"the {type(module).__name__} itself (model = torch.compile(model)), not a module around it"
+        )
+    return _call(module, *args, **kwargs)
 
 
 def _no_sync(self: torch.nn.Module) -> contextlib.AbstractContextManager:
@@ -180,36 +206,30 @@ def unswap(module: torch.nn.Module) -> None:
 
 
 class _Watch:
-    """A watched submodule's ``forward``: counts backward passes through its calls outside DDP.
+    """A watched submodule's call: counts backward passes through its calls outside DDP.
 
     A call with gradients outside the DDP's forward hooks its output; the count moves when a
     backward reaches it (an auxiliary loss), not for a forward nobody trains with (a metric, a
-    log line on one rank), so every rank agrees on it. The submodule's ``__dict__`` holds the
-    bound ``__call__`` (a plain method call, the cheapest). A deep copy of the submodule counts
-    for nobody; a pickle of it gets its class's plain ``forward`` back (``getattr``: it loads
-    without autoddp).
+    log line on one rank), so every rank agrees on it. ``module(...)`` runs the bound
+    ``__call__`` (``_compat.route_calls``: a plain method call, the cheapest), which runs what
+    the call ran before (``before``: a ``Module.compile()`` of the user's, else its own call).
+    Pickles and copies of the submodule leave it out: they hold what one process's hold.
     """
 
-    __slots__ = ("forward", "module", "replica")
+    __slots__ = ("before", "calls", "replica")
 
     def __init__(self, module: torch.nn.Module, replica: Replica | None) -> None:
-        self.module = module
         self.replica = replica
-        self.forward = types.MethodType(type(module).forward, module)
+        self.before = _compat.routed_call(module)
+        self.calls = self.before if self.before is not None else _compat.own_call(module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         replica = self.replica
         if replica is None or replica.inside or not torch.is_grad_enabled():
-            return self.forward(*args, **kwargs)
-        result = self.forward(*args, **kwargs)
+            return self.calls(*args, **kwargs)
+        result = self.calls(*args, **kwargs)
         _on_backward(result, replica.count_bypass)
         return result
-
-    def __deepcopy__(self, memo: dict) -> _Watch:
-        return _Watch(copy.deepcopy(self.module, memo), None)
-
-    def __reduce_ex__(self, protocol: Any) -> tuple:
-        return (getattr, (self.module, "forward"))
 
 
 def _on_backward(value: Any, hook: Callable[[torch.Tensor], None]) -> None:
@@ -226,7 +246,7 @@ def _on_backward(value: Any, hook: Callable[[torch.Tensor], None]) -> None:
 
 
 def _watcher(module: torch.nn.Module) -> _Watch | None:
-    found = getattr(module.__dict__.get("forward"), "__self__", None)
+    found = getattr(_compat.routed_call(module), "__self__", None)
     return found if isinstance(found, _Watch) else None
 
 
@@ -241,10 +261,11 @@ def watch(root: torch.nn.Module, replica: Replica) -> None:
         watcher = _watcher(sub)
         if watcher is not None:
             watcher.replica = replica
-        elif sub._parameters and "forward" not in sub.__dict__:  # (a forward of the user's: kept)
-            object.__setattr__(sub, "forward", _Watch(sub, replica).__call__)
+        elif sub._parameters:
+            _compat.route_calls(sub, _Watch(sub, replica).__call__)
 
 
 def _unwatch(module: torch.nn.Module) -> None:
-    if _watcher(module) is not None:
-        del module.__dict__["forward"]
+    watcher = _watcher(module)
+    if watcher is not None:
+        _compat.route_calls(module, watcher.before)

@@ -64,6 +64,7 @@ def _pin_own_gpu() -> int | None:
 
 def _execute(job: Job, folder: str) -> int:
     _set_up_process()
+    start_method_of_caller(job.start_method)
     world = environment.detect().world()
     STACK_DUMP.arm(folder, world.rank)
     try:
@@ -122,6 +123,16 @@ def _set_up_process() -> None:
     die_with_parent()
     _FORKS.make_children_die_with_this_worker()
     use_thread_count()
+
+
+def start_method_of_caller(method: str | None) -> None:
+    """Give ``multiprocessing`` the start method the caller had (None: not chosen yet).
+
+    A worker that multiprocessing forked has it set to fork, and a fresh interpreter has none
+    chosen; the user's own ``multiprocessing.set_start_method("spawn")`` must find what it would
+    find in the caller (in a plain ``python script.py``: nothing chosen, so it succeeds).
+    """
+    multiprocessing.set_start_method(method, force=True)
 
 
 def own_session() -> None:

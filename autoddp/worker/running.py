@@ -38,6 +38,8 @@ class Job:
     options: RunOptions
     #: The caller's random states, when workers are started for the call (see ``streams``).
     streams: streams.Streams | None = None
+    #: The caller's ``multiprocessing`` start method (None: not chosen yet), given to its workers.
+    start_method: str | None = None
 
     @property
     def fn_name(self) -> str:

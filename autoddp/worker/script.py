@@ -180,6 +180,7 @@ def run_script_forked(argv: list[str]) -> None:
     process.own_session()  # (a session of its own, as torchrun's workers)
     _compat.clear_atexit_hooks()
     _fresh_random_streams()
+    process.start_method_of_caller(None)  # (as in a fresh interpreter: the script may choose one)
     process.use_thread_count()  # (torch read OMP_NUM_THREADS in the command, before it was set)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.default_int_handler)
