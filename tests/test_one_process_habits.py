@@ -6,12 +6,15 @@ changes between epochs, a script reading stdin, a script making its own group of
 
 from __future__ import annotations
 
+import json
+
 import torch
 import torch.distributed as dist
 import torch.nn.utils.prune as prune
 from torch import nn
 
 import autoddp
+from tests.conftest import run_python, write
 
 N = 16  # samples: each rank takes its half, one process the whole (mean losses: the same step)
 
@@ -67,3 +70,48 @@ def test_buffers_added_and_removed_mid_run_train_as_one_process():
     assert identical
     for got, want in zip(state, _pruned_mid_run(0, 1)[0], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_data_set_that_grows_and_shrinks_between_epochs_is_shared_out_at_its_length_now(tmp_path):
+    script = write(
+        tmp_path / "curriculum.py",
+        """
+        import json, os, sys
+        import torch
+        from torch import nn
+        from torch.utils.data import DataLoader, Dataset
+
+        class Curriculum(Dataset):  # more (then fewer) samples as training goes on
+            def __init__(self):
+                self.n = 32
+            def __len__(self):
+                return self.n
+            def __getitem__(self, i):
+                return torch.tensor([float(i)])
+
+        data = Curriculum()
+        model = nn.Linear(1, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        loader = DataLoader(data, batch_size=4, shuffle=True)
+        epochs = []
+        for n in (32, 96, 16):
+            data.n = n
+            seen = []
+            length = len(loader)
+            for x in loader:
+                model(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                seen += x.flatten().long().tolist()
+            epochs.append({"len": length, "seen": seen})
+        with open(os.path.join(sys.argv[1], os.environ.get("RANK", "0") + ".json"), "w") as f:
+            json.dump(epochs, f)
+        """,
+    )
+    result = run_python(["-m", "autoddp.cli", "-n", "2", str(script), str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
+    for epoch, n in enumerate((32, 96, 16)):
+        shares = [ranks[rank][epoch] for rank in (0, 1)]
+        assert [share["len"] for share in shares] == [n // 2 // 4] * 2  # this rank's batches, now
+        assert sorted(shares[0]["seen"] + shares[1]["seen"]) == list(range(n))  # each sample once
