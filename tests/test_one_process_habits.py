@@ -7,7 +7,9 @@ changes between epochs, a script reading stdin, a script making its own group of
 from __future__ import annotations
 
 import json
+import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.utils.prune as prune
@@ -115,3 +117,84 @@ def test_a_data_set_that_grows_and_shrinks_between_epochs_is_shared_out_at_its_l
         shares = [ranks[rank][epoch] for rank in (0, 1)]
         assert [share["len"] for share in shares] == [n // 2 // 4] * 2  # this rank's batches, now
         assert sorted(shares[0]["seen"] + shares[1]["seen"]) == list(range(n))  # each sample once
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+OWN_GROUP = """
+import os, sys
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", RANKS)
+total = torch.ones(1)
+dist.all_reduce(total)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()}: {total.item()}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(75)
+def test_a_scripts_own_group_of_one_process_is_refused_at_its_line(tmp_path):
+    script = write(tmp_path / "own_group.py", OWN_GROUP.replace("RANKS", "rank=0, world_size=1"))
+    result = run_python(["-m", "autoddp.cli", "-n", "2", str(script), str(_free_port())], timeout=60)
+    assert result.returncode != 0
+    assert "ConfigurationError: [rank 0 of 2] this script makes its own process group" in result.stderr
+    assert "rank=0, world_size=1" in result.stderr and "autoddp -n 1" in result.stderr
+    assert 'own_group.py", line 6' in result.stderr  # the script's own line
+
+
+@pytest.mark.timeout(75)
+@pytest.mark.parametrize("capture", [True, False])
+def test_a_scripts_own_tcp_address_is_served_by_rank_0(tmp_path, capture):
+    ranks = "rank=int(os.environ['RANK']), world_size=int(os.environ['WORLD_SIZE'])"
+    script = write(tmp_path / "own_address.py", OWN_GROUP.replace("RANKS", ranks))
+    flags = [] if capture else ["--no-capture"]
+    command = ["-m", "autoddp.cli", "-n", "2", "--ranks", "all", *flags, str(script), str(_free_port())]
+    result = run_python(command, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 0 of 2: 2.0" in result.stdout and "rank 1 of 2: 2.0" in result.stdout
+
+
+def test_rank_0_reads_the_commands_stdin_and_the_others_an_empty_one(tmp_path):
+    script = write(
+        tmp_path / "reads_stdin.py",
+        """
+        import os, sys
+        text = sys.stdin.read()  # a config, a prompt's answer, data piped in
+        with open(os.path.join(sys.argv[1], os.environ.get("RANK", "0") + ".txt"), "w") as f:
+            f.write(text)
+        """,
+    )
+    for method in ("fork", "spawn"):
+        command = ["-m", "autoddp.cli", "-n", "2", "--start-method", method, str(script), str(tmp_path)]
+        result = run_python(command, stdin="lr 0.1\nepochs 3\n")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert (tmp_path / "0.txt").read_text() == "lr 0.1\nepochs 3\n"
+        assert (tmp_path / "1.txt").read_text() == ""  # as torchrun's other ranks find it
+
+
+def test_input_in_a_decorated_function_reads_the_callers_stdin_on_rank_0(tmp_path):
+    script = write(
+        tmp_path / "asks.py",
+        """
+        import torch.distributed as dist
+        import autoddp
+
+        @autoddp.distributed(nproc=2)
+        def ask():
+            answer = input("continue? ") if autoddp.rank() == 0 else None
+            answers = [None, None]
+            dist.all_gather_object(answers, answer)
+            return answers
+
+        print(ask())
+        """,
+    )
+    result = run_python([str(script)], stdin="yes\n")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("['yes', None]")
