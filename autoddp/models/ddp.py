@@ -56,13 +56,9 @@ def _count_parameter_event(*args: Any) -> None:
 
 
 def _count_buffer_event(module: torch.nn.Module, name: str, buffer: torch.Tensor | None) -> None:
-    """A buffer registered, or one set to or from None, counts as an event (module docstring).
-
-    A tensor put in place of a tensor does not: DDP reads its buffers anew before every broadcast,
-    and ``self.count = self.count + 1`` in a forward must not cost a look at every step.
-    """
-    held = dict(module.named_buffers(recurse=False))  # (names whose buffer is None are left out)
-    if buffer is None or name not in held:
+    """A buffer registered, or set to or from None, is an event; a tensor put in place of one is
+    not (DDP reads its buffers anew at every broadcast; ``self.n = self.n + 1`` must cost nothing)."""
+    if buffer is None or name not in dict(module.named_buffers(recurse=False)):
         CURRENT.parameter_events += 1
 
 
@@ -89,9 +85,8 @@ class Replica:
     def __init__(self, module: torch.nn.Module, ddp_kwargs: Mapping[str, Any]) -> None:
         self.ddp_kwargs = {**DEFAULTS, **ddp_kwargs}
         self.signature: list[tuple[torch.nn.Parameter, torch.dtype, torch.device, bool]] = []
-        #: Whether the module had buffers when the DDP was built: DDP decides once whether it
-        #: broadcasts them (a buffer added to a model without any would stay per rank) and fails
-        #: on the last one's removal (``prune.remove``, ``del model.buf``), so either way it is rebuilt.
+        #: Whether the module had buffers at the build: DDP decides it once (a first buffer would stay
+        #: per rank, the last one's removal fails in its reducer), so a change rebuilds it.
         self.buffered = False
         #: ``CURRENT.parameter_events`` when the signature was last found current.
         self.events = -1
