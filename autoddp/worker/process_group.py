@@ -319,13 +319,11 @@ def own_group_arguments(world: World, arguments: dict[str, Any]) -> dict[str, An
             "or pass rank=int(os.environ['RANK']), world_size=int(os.environ['WORLD_SIZE']); or run "
             "it in one process (autoddp -n 1, or python)"
         )
-    if url is None or url.scheme != "tcp" or arguments.get("store") is not None:
-        return arguments
+    if url is None or url.scheme != "tcp" or url.port is None or arguments.get("store") is not None:
+        return arguments  # (torch's own error for an address without a port)
     if url.port == world.master_port:
         return arguments  # the launcher's own store (torchrun's MASTER_ADDR:MASTER_PORT)
     timeout = arguments.get("timeout") or dist.constants.default_pg_timeout
-    store = dist.TCPStore(
-        str(url.hostname), int(url.port or 0), world.world_size, world.rank == 0, timeout=timeout
-    )
+    store = dist.TCPStore(str(url.hostname), url.port, world.world_size, world.rank == 0, timeout=timeout)
     rest = {name: value for name, value in arguments.items() if name != "init_method"}
     return {**rest, "store": store, "rank": world.rank, "world_size": world.world_size}
