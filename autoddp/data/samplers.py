@@ -27,18 +27,34 @@ class AutoEpochSampler(DistributedSampler):
     with no ``set_epoch`` call. An explicit ``set_epoch(n)`` still wins: the next pass uses ``n``,
     the ones after it ``n + 1``, ``n + 2``... The epoch advances when the pass starts yielding, not
     when ``iter()`` is called, because DataLoader may create and drop a sampler iterator unused.
+    Its sizes follow the data set's length as it is at every pass and every ``len()``, as one
+    process's samplers do (a data set that grows or shrinks between epochs: curriculum, active
+    learning); torch's DistributedSampler keeps the length it had when made.
     """
 
     def __init__(self, source: Any, *, world: World, shuffle: bool, seed: int) -> None:
-        super().__init__(
-            source,
-            num_replicas=world.world_size,
-            rank=world.rank,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=False,
-        )
+        # Not DistributedSampler.__init__: it stores the sizes (properties here) from len(source).
+        self.dataset = source
+        self.num_replicas = world.world_size
+        self.rank = world.rank
+        self.epoch = 0
         self._next_epoch = 0
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = False
+
+    @property
+    def num_samples(self) -> int:
+        """This rank's share of a pass now (a TypeError for a source with no length, as in one process)."""
+        return math.ceil(len(self.dataset) / self.num_replicas)
+
+    @property
+    def total_size(self) -> int:
+        """The pass's length now, padded to a multiple of the world."""
+        return self.num_samples * self.num_replicas
+
+    def __len__(self) -> int:
+        return self.num_samples
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next pass; later passes continue from it."""
@@ -73,27 +89,9 @@ class ShardedSampler(AutoEpochSampler):
     CHUNK = 4096
 
     def __init__(self, sampler: Any, *, world: World, seed: int) -> None:
-        # Not DistributedSampler.__init__: it takes len(sampler), which an endless sampler lacks.
-        self.dataset = self.sampler = sampler
-        self.num_replicas = world.world_size
-        self.rank = world.rank
-        self.epoch = 0
-        self._next_epoch = 0
-        self.seed = seed
-        self.shuffle = False
-        self.drop_last = False
-
-    @property
-    def num_samples(self) -> int:
-        """This rank's share of a pass (a TypeError for a sampler with no length, as in one process)."""
-        return math.ceil(len(self.sampler) / self.num_replicas)
-
-    @property
-    def total_size(self) -> int:
-        return self.num_samples * self.num_replicas
-
-    def __len__(self) -> int:
-        return self.num_samples
+        # The sizes are read from len(sampler) when asked: an endless sampler has none.
+        super().__init__(sampler, world=world, shuffle=False, seed=seed)
+        self.sampler = sampler
 
     def __iter__(self) -> Iterator[Any]:
         self._begin_pass()

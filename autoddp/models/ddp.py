@@ -8,9 +8,10 @@ is synchronised too. Only a direct ``model.forward(x)`` bypasses DDP.
 The DDP stays right when the model changes after wrapping. Its ``Replica`` remembers each
 parameter with its dtype, device and ``requires_grad`` as the DDP was built; after any event that
 can change parameters (a registration, ``.data =``, ``requires_grad``, ``.to()``/``.half()``, a
-removal: counted in ``CURRENT.parameter_events``), the next forward with gradients compares the
-model's parameters with them and builds a new DDP when they differ (``model.double()``,
-``.half()``, ``.to(device)``, a replaced or removed layer, frozen or unfrozen parameters). A step
+removal, a buffer registered or removed: counted in ``CURRENT.parameter_events``), the next
+forward with gradients compares the model's parameters with them and builds a new DDP when they
+differ (``model.double()``, ``.half()``, ``.to(device)``, a replaced or removed layer, frozen or
+unfrozen parameters) or when the model gained its first buffer or lost its last (pruning). A step
 without such an event costs two attribute reads, whatever the model's size. The first forward with
 gradients also broadcasts rank 0's parameters and buffers, so weights re-initialised or loaded
 between wrapping and training start identical on every rank.
@@ -54,6 +55,13 @@ def _count_parameter_event(*args: Any) -> None:
     CURRENT.parameter_events += 1
 
 
+def _count_buffer_event(module: torch.nn.Module, name: str, buffer: torch.Tensor | None) -> None:
+    """A buffer registered, or set to or from None, is an event; a tensor put in place of one is
+    not (DDP reads its buffers anew at every broadcast; ``self.n = self.n + 1`` must cost nothing)."""
+    if buffer is None or name not in dict(module.named_buffers(recurse=False)):
+        CURRENT.parameter_events += 1
+
+
 def _watch_parameter_changes() -> None:
     """Count, in ``CURRENT.parameter_events``, every event that can change a module's parameters.
 
@@ -67,6 +75,7 @@ def _watch_parameter_changes() -> None:
 
     module.register_module_parameter_registration_hook(_count_parameter_event)
     module.register_module_module_registration_hook(_count_parameter_event)
+    module.register_module_buffer_registration_hook(_count_buffer_event)
     _compat.watch_parameter_changes(_count_parameter_event)
 
 
@@ -76,6 +85,9 @@ class Replica:
     def __init__(self, module: torch.nn.Module, ddp_kwargs: Mapping[str, Any]) -> None:
         self.ddp_kwargs = {**DEFAULTS, **ddp_kwargs}
         self.signature: list[tuple[torch.nn.Parameter, torch.dtype, torch.device, bool]] = []
+        #: Whether the module had buffers at the build: DDP decides it once (a first buffer would stay
+        #: per rank, the last one's removal fails in its reducer), so a change rebuilds it.
+        self.buffered = False
         #: ``CURRENT.parameter_events`` when the signature was last found current.
         self.events = -1
         #: Whether some parameter's changes escape the event count (a tensor subclass): look every time.
@@ -99,6 +111,7 @@ class Replica:
         self.events = CURRENT.parameter_events  # (read first: a change from here on is looked at)
         params = list(module.parameters())
         self.signature = [(p, p.dtype, p.device, p.requires_grad) for p in params]
+        self.buffered = _has_buffers(module)
         self.look_always = not all(_compat.parameter_changes_watched(p) for p in params)
         if self.watched:
             _routing.watch(module, self)  # submodules called beside the DDP (``model.encoder(x)``)
@@ -142,7 +155,7 @@ class Replica:
             return False
         self.events = events
         current = list(module.parameters())
-        if len(current) != len(self.signature):
+        if len(current) != len(self.signature) or _has_buffers(module) is not self.buffered:
             return True
         for p, (q, dtype, device, requires_grad) in zip(current, self.signature, strict=True):
             if p is not q or p.dtype is not dtype or p.requires_grad is not requires_grad:
@@ -172,6 +185,10 @@ class Replica:
             "@autoddp.distributed (the command: --find-unused-parameters), or freeze them "
             "(requires_grad_(False)) if they are not meant to train"
         )
+
+
+def _has_buffers(module: torch.nn.Module) -> bool:
+    return next(module.buffers(), None) is not None
 
 
 def _has_lazy_parameters(module: torch.nn.Module) -> bool:

@@ -66,6 +66,7 @@ def _execute(job: Job, folder: str) -> int:
     _set_up_process()
     start_method_of_caller(job.start_method)
     world = environment.detect().world()
+    give_stdin(world.rank)
     STACK_DUMP.arm(folder, world.rank)
     try:
         if job.backend.use_cuda and _compat.cuda_in_bad_fork():
@@ -133,6 +134,36 @@ def start_method_of_caller(method: str | None) -> None:
     find in the caller (in a plain ``python script.py``: nothing chosen, so it succeeds).
     """
     multiprocessing.set_start_method(method, force=True)
+
+
+def give_stdin(rank: int) -> None:
+    """Rank 0 reads the launcher's standard input, the other ranks an empty one, as under torchrun.
+
+    torchrun's workers share its stdin and rank 0, which starts first, reads it; a worker started
+    by multiprocessing finds ``sys.stdin`` on /dev/null (``EOFError`` from ``input()`` on every
+    rank) and a fresh interpreter the shared stream: here rank 0 always has it, and the others
+    find its end at once (file descriptor 0 too, for the programs they start).
+    """
+    if rank != 0:
+        empty = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(empty, 0)
+        os.close(empty)
+    elif _reads_descriptor_0(sys.stdin):
+        return
+    try:
+        os.fstat(0)
+    except OSError:  # the launcher has no stdin: leave Python's as it is
+        return
+    encoding = getattr(sys.__stdin__, "encoding", None)
+    errors = getattr(sys.__stdin__, "errors", None)
+    sys.stdin = open(0, encoding=encoding, errors=errors, closefd=False)  # noqa: SIM115 (the process's own)
+
+
+def _reads_descriptor_0(stream: Any) -> bool:
+    try:
+        return not stream.closed and stream.fileno() == 0
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
 def own_session() -> None:

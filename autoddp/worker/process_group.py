@@ -285,3 +285,46 @@ def _name_interface(world: World) -> None:
         os.environ.update(choice.variables)
         if world.local_rank == 0:
             print(f"autoddp: node {world.node_rank}: {choice.summary}", file=sys.stderr, flush=True)
+
+
+def own_group_arguments(world: World, arguments: dict[str, Any]) -> dict[str, Any]:
+    """What a script's own ``init_process_group`` call (``arguments``, by name) is made with here.
+
+    A rank or world size that is not this process's (a script written for one process:
+    ``rank=0, world_size=1``, in the call or a ``tcp://`` init_method's query) is refused: every
+    process would claim its own world. A ``tcp://`` address other than the launcher's store gets
+    a store that rank 0 hosts there, as the script's own processes would have it: torchrun's
+    variables (``TORCHELASTIC_USE_AGENT_STORE``) make torch connect every rank to it as a client,
+    and nobody serves it (a silent rendezvous of 30 minutes, under torchrun too).
+    """
+    from urllib.parse import parse_qs, urlparse
+
+    import torch.distributed as dist
+
+    given = {name: arguments.get(name, -1) for name in ("rank", "world_size")}
+    method = arguments.get("init_method")
+    url = urlparse(method) if isinstance(method, str) else None
+    for name, values in parse_qs(url.query if url else "").items():
+        if name in given and given[name] in (-1, None):
+            given[name] = values[-1]
+    wanted = {"rank": world.rank, "world_size": world.world_size}
+    if any(
+        value not in (-1, None) and str(value).strip() != str(wanted[name]) for name, value in given.items()
+    ):
+        said = ", ".join(f"{name}={value}" for name, value in given.items() if value not in (-1, None))
+        raise ConfigurationError(
+            f"this script makes its own process group with {said}, but autoddp runs it in "
+            f"{world.world_size} processes and this one is rank {world.rank} of {world.world_size}: "
+            "every process would claim a world of its own. Let it join autoddp's world: call "
+            "init_process_group without rank= and world_size= (init_method 'env://', the default), "
+            "or pass rank=int(os.environ['RANK']), world_size=int(os.environ['WORLD_SIZE']); or run "
+            "it in one process (autoddp -n 1, or python)"
+        )
+    if url is None or url.scheme != "tcp" or url.port is None or arguments.get("store") is not None:
+        return arguments  # (torch's own error for an address without a port)
+    if url.port == world.master_port:
+        return arguments  # the launcher's own store (torchrun's MASTER_ADDR:MASTER_PORT)
+    timeout = arguments.get("timeout") or dist.constants.default_pg_timeout
+    store = dist.TCPStore(str(url.hostname), url.port, world.world_size, world.rank == 0, timeout=timeout)
+    rest = {name: value for name, value in arguments.items() if name != "init_method"}
+    return {**rest, "store": store, "rank": world.rank, "world_size": world.world_size}

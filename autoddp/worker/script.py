@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import inspect
 import json
 import os
 import runpy
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from autoddp import _compat, _frames, capture, environment
+from autoddp import _compat, _frames, _patches, capture, environment
 from autoddp.environment import hardware, preflight
 from autoddp.hang import marks
 from autoddp.state import RunOptions, World
@@ -94,6 +95,28 @@ def _start_capture(
     return session
 
 
+def _own_groups_checked(world: World) -> _patches.Patches:
+    """The script's own ``init_process_group`` calls, made as ``process_group.own_group_arguments``
+    says (a world that is not this process's refused), in a world of several processes."""
+    if world.world_size <= 1:
+        return _patches.Patches()
+
+    def checked(original: Any) -> Any:
+        signature = inspect.signature(original)
+
+        def init_process_group(*args: Any, **kwargs: Any) -> Any:
+            try:
+                arguments = signature.bind(*args, **kwargs).arguments
+            except TypeError:  # torch's own error, from the call itself
+                return original(*args, **kwargs)
+            return original(**process_group.own_group_arguments(world, arguments))
+
+        return init_process_group
+
+    owners = (torch.distributed, torch.distributed.distributed_c10d)
+    return _patches.Patches([_patches.wrapping(owner, "init_process_group", checked) for owner in owners])
+
+
 def _runner_flags(argv: list[str]) -> tuple[bool, RunOptions, datetime.timedelta | None, list[str]]:
     """The command's own flags before the script: ``--no-capture``, ``--run-options JSON``,
     ``--timeout SECONDS``."""
@@ -114,7 +137,8 @@ def _run_captured(argv: list[str], kept: KeptGroups) -> None:
     """Run the script, under capture unless the command said ``--no-capture``; the groups of its
     own DDP models are ``kept`` (released after its atexit hooks)."""
     capture_on, options, timeout, argv = _runner_flags(argv)
-    with marks.marking(environment.detect().world()):  # the hang report's record (outermost hooks)
+    world = environment.detect().world()
+    with marks.marking(world), _own_groups_checked(world):  # (the hang report's hooks outermost)
         session = _start_capture(capture_on, options, timeout)
         kept.install()
         try:
@@ -136,7 +160,9 @@ def main(leave_groups_at_exit: bool = True, kept: KeptGroups | None = None) -> N
     """
     process.die_with_parent()
     run_folder = os.environ.get("AUTODDP_RUN_FOLDER")
-    if run_folder:  # where this rank was if autoddp stops it (a peer timed out or died waiting for it)
+    if run_folder:  # a worker of autoddp's launcher (srun, mpirun: their own stdin and stacks)
+        process.give_stdin(int(os.environ.get("RANK", "0")))
+        # where this rank was if autoddp stops it (a peer timed out or died waiting for it)
         process.STACK_DUMP.arm(run_folder, int(os.environ.get("RANK", "0")))
     if kept is None:
         kept = KeptGroups()

@@ -1,0 +1,200 @@
+"""Habits of one-process scripts that used to crash or hang with several (issue 31, item 4).
+
+Real 2-process gloo runs: buffers added and removed mid-run (pruning), a data set whose length
+changes between epochs, a script reading stdin, a script making its own group of one process.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.utils.prune as prune
+from torch import nn
+
+import autoddp
+from tests.conftest import run_python, write
+
+N = 16  # samples: each rank takes its half, one process the whole (mean losses: the same step)
+
+
+def _share(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(N, 4, generator=generator)
+    y = torch.randn(N, 2, generator=generator)
+    return x.chunk(world)[rank], y.chunk(world)[rank]
+
+
+def _pruned_mid_run(rank: int, world: int) -> tuple[list[torch.Tensor], bool]:
+    """Train, prune a layer, train, make the pruning permanent, add and delete a buffer, train."""
+    x, y = _share(rank, world)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step() -> None:
+        out = model(x)
+        if hasattr(model, "scale"):
+            out = out * model.scale
+        loss = (out - y).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    step()
+    prune.l1_unstructured(model[0], name="weight", amount=0.5)  # weight_orig and a weight_mask buffer
+    step()
+    prune.remove(model[0], "weight")  # the mask buffer goes: the model has no buffer left
+    step()
+    model.register_buffer("scale", torch.full((2,), 0.5))  # a buffer on a model that had none
+    step()
+    del model.scale
+    step()
+    state = [p.detach().clone() for p in model.parameters()]
+    flat = torch.cat([p.flatten() for p in state])
+    identical = True
+    if world > 1:
+        parts = [torch.zeros_like(flat) for _ in range(world)]
+        dist.all_gather(parts, flat)
+        identical = all(torch.equal(parts[0], part) for part in parts)
+    return state, identical
+
+
+def test_buffers_added_and_removed_mid_run_train_as_one_process():
+    @autoddp.distributed(nproc=2)
+    def train():
+        return _pruned_mid_run(autoddp.rank(), autoddp.world_size())
+
+    state, identical = train()
+    assert identical
+    for got, want in zip(state, _pruned_mid_run(0, 1)[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_data_set_that_grows_and_shrinks_between_epochs_is_shared_out_at_its_length_now(tmp_path):
+    script = write(
+        tmp_path / "curriculum.py",
+        """
+        import json, os, sys
+        import torch
+        from torch import nn
+        from torch.utils.data import DataLoader, Dataset
+
+        class Curriculum(Dataset):  # more (then fewer) samples as training goes on
+            def __init__(self):
+                self.n = 32
+            def __len__(self):
+                return self.n
+            def __getitem__(self, i):
+                return torch.tensor([float(i)])
+
+        data = Curriculum()
+        model = nn.Linear(1, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        loader = DataLoader(data, batch_size=4, shuffle=True)
+        epochs = []
+        for n in (32, 96, 16):
+            data.n = n
+            seen = []
+            length = len(loader)
+            for x in loader:
+                model(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                seen += x.flatten().long().tolist()
+            epochs.append({"len": length, "seen": seen})
+        with open(os.path.join(sys.argv[1], os.environ.get("RANK", "0") + ".json"), "w") as f:
+            json.dump(epochs, f)
+        """,
+    )
+    result = run_python(["-m", "autoddp.cli", "-n", "2", str(script), str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
+    for epoch, n in enumerate((32, 96, 16)):
+        shares = [ranks[rank][epoch] for rank in (0, 1)]
+        assert [share["len"] for share in shares] == [n // 2 // 4] * 2  # this rank's batches, now
+        assert sorted(shares[0]["seen"] + shares[1]["seen"]) == list(range(n))  # each sample once
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+OWN_GROUP = """
+import os, sys
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", RANKS)
+total = torch.ones(1)
+dist.all_reduce(total)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()}: {total.item()}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(75)
+def test_a_scripts_own_group_of_one_process_is_refused_at_its_line(tmp_path):
+    script = write(tmp_path / "own_group.py", OWN_GROUP.replace("RANKS", "rank=0, world_size=1"))
+    result = run_python(["-m", "autoddp.cli", "-n", "2", str(script), str(_free_port())], timeout=60)
+    assert result.returncode != 0
+    assert "ConfigurationError: [rank 0 of 2] this script makes its own process group" in result.stderr
+    assert "rank=0, world_size=1" in result.stderr and "autoddp -n 1" in result.stderr
+    assert 'own_group.py", line 6' in result.stderr  # the script's own line
+
+
+@pytest.mark.timeout(75)
+@pytest.mark.parametrize("capture", [True, False])
+def test_a_scripts_own_tcp_address_is_served_by_rank_0(tmp_path, capture):
+    ranks = "rank=int(os.environ['RANK']), world_size=int(os.environ['WORLD_SIZE'])"
+    script = write(tmp_path / "own_address.py", OWN_GROUP.replace("RANKS", ranks))
+    flags = [] if capture else ["--no-capture"]
+    command = ["-m", "autoddp.cli", "-n", "2", "--ranks", "all", *flags, str(script), str(_free_port())]
+    result = run_python(command, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 0 of 2: 2.0" in result.stdout and "rank 1 of 2: 2.0" in result.stdout
+
+
+def test_rank_0_reads_the_commands_stdin_and_the_others_an_empty_one(tmp_path):
+    script = write(
+        tmp_path / "reads_stdin.py",
+        """
+        import os, sys
+        text = sys.stdin.read()  # a config, a prompt's answer, data piped in
+        with open(os.path.join(sys.argv[1], os.environ.get("RANK", "0") + ".txt"), "w") as f:
+            f.write(text)
+        """,
+    )
+    for method in ("fork", "spawn"):
+        command = ["-m", "autoddp.cli", "-n", "2", "--start-method", method, str(script), str(tmp_path)]
+        result = run_python(command, stdin="lr 0.1\nepochs 3\n")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert (tmp_path / "0.txt").read_text() == "lr 0.1\nepochs 3\n"
+        assert (tmp_path / "1.txt").read_text() == ""  # as torchrun's other ranks find it
+
+
+def test_input_in_a_decorated_function_reads_the_callers_stdin_on_rank_0(tmp_path):
+    script = write(
+        tmp_path / "asks.py",
+        """
+        import torch.distributed as dist
+        import autoddp
+
+        @autoddp.distributed(nproc=2)
+        def ask():
+            answer = input("continue? ") if autoddp.rank() == 0 else None
+            answers = [None, None]
+            dist.all_gather_object(answers, answer)
+            return answers
+
+        print(ask())
+        """,
+    )
+    result = run_python([str(script)], stdin="yes\n")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("['yes', None]")
