@@ -45,6 +45,9 @@ class Replica(Protocol):
     bypasses: int
     #: True while the DDP's forward runs (what the submodules' watchers read: no thread-local).
     inside: bool
+    #: Whether an optimizer's guard reads the counts, and which backward passes DDP averaged.
+    watched: bool
+    reduction: Any
 
     def for_call(
         self, module: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
@@ -80,6 +83,8 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     replica.forwards += 1
     try:
         result = ddp(*args, **kwargs)
+        if replica.watched:  # an optimizer's guard reads which backward passes DDP averaged
+            replica.reduction.forwarded(result, ddp.require_backward_grad_sync)
         if CURRENT.split_weight is not None:  # split_batches: this rank's part weighs its share
             _split.weigh(result, CURRENT.split_weight)
         return result
@@ -202,7 +207,7 @@ class _Watch:
         if replica is None or replica.inside or not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)
         result = self.forward(*args, **kwargs)
-        _on_backward(result, replica.count_bypass)
+        on_backward(result, replica.count_bypass)
         return result
 
     def __deepcopy__(self, memo: dict) -> _Watch:
@@ -212,17 +217,17 @@ class _Watch:
         return (getattr, (self.module, "forward"))
 
 
-def _on_backward(value: Any, hook: Callable[[torch.Tensor], None]) -> None:
+def on_backward(value: Any, hook: Callable[[torch.Tensor], None]) -> None:
     """Hook every tensor in ``value`` (nested lists, tuples, dicts) that a backward may reach."""
     if isinstance(value, torch.Tensor):
         if value.requires_grad:
             value.register_hook(hook)
     elif isinstance(value, (list, tuple)):
         for item in value:
-            _on_backward(item, hook)
+            on_backward(item, hook)
     elif isinstance(value, dict):
         for item in value.values():
-            _on_backward(item, hook)
+            on_backward(item, hook)
 
 
 def _watcher(module: torch.nn.Module) -> _Watch | None:

@@ -28,7 +28,7 @@ import torch
 from autoddp import _compat, _warn
 from autoddp.environment import hardware
 from autoddp.errors import ConfigurationError
-from autoddp.models import _class_swap, _routing, _split
+from autoddp.models import _class_swap, _reduction, _routing, _split
 from autoddp.models.strategy import Strategy
 from autoddp.state import CURRENT, RunOptions, World
 from autoddp.worker import placement
@@ -87,6 +87,7 @@ class Replica:
         #: Whether the submodules count those passes: only for an optimizer's guard, the one reader
         #: (``_averaging``); without one, a submodule's call costs nothing more than the plain call.
         self.watched = False
+        self.reduction = _reduction.Ledger()  # which backward passes DDP averaged (the guard's)
         self.inside = False  # while the DDP's forward runs
         self.lazy = _has_lazy_parameters(module)
         if not self.lazy:
