@@ -35,14 +35,14 @@ def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
-def _by_autograd_grad(rank: int, world: int) -> nn.Module:
+def _by_autograd_grad(rank: int, world: int, gradients=torch.autograd.grad) -> nn.Module:
     x, y = _share(rank, world)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(4):
         loss = (model(x) - y).pow(2).mean()
         params = list(model.parameters())
-        grads = torch.autograd.grad(loss, params)
+        grads = gradients(loss, params)  # (the default: torch.autograd.grad as imported, unpatched)
         for p, g in zip(params, grads, strict=True):
             p.grad = g
         opt.step()  # STEP LINE
@@ -122,7 +122,7 @@ def _step_line(habit) -> int:
     return first + next(i for i, line in enumerate(lines) if "# STEP LINE" in line)
 
 
-def _check(habit, words: str) -> None:
+def _check(habit, words: str, written_in=None) -> None:
     everyone, messages = _run(habit)
     one = _flat(habit(0, 1))
     assert torch.equal(everyone[0], everyone[1])  # the ranks agree
@@ -130,11 +130,16 @@ def _check(habit, words: str) -> None:
     assert len(messages) == 1, messages
     text, filename, line = messages[0]
     assert words in text and "autoddp average" in text, text
-    assert (filename, line) == (__file__, _step_line(habit))
+    assert (filename, line) == (__file__, _step_line(written_in or habit))
+
+
+def _by_torch_autograd_grad(rank: int, world: int) -> nn.Module:
+    return _by_autograd_grad(rank, world, lambda loss, params: torch.autograd.grad(loss, params))
 
 
 def test_gradients_from_autograd_grad_put_into_grad_by_hand_are_averaged_and_said():
-    _check(_by_autograd_grad, "torch.autograd.grad")
+    _check(_by_autograd_grad, "torch.autograd.grad")  # the name bound before the call (unpatched)
+    _check(_by_torch_autograd_grad, "torch.autograd.grad", _by_autograd_grad)  # looked up in the call
 
 
 def test_a_second_backward_through_one_forward_is_averaged_and_said():

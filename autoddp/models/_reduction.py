@@ -79,8 +79,8 @@ class Ledger:
 
     def reached(self) -> None:
         """A backward (or ``torch.autograd.grad``) reached a forward's outputs: did DDP average it?"""
-        if CURRENT.backward_kind == GRAD:
-            self.unreduced = GRAD  # (its results are assigned to .grad, or nothing is stepped)
+        if CURRENT.backward_kind != BACKWARD:  # grad, or None: one imported by name before capture
+            self.unreduced = GRAD  # (its results may be put into .grad; averaging again is exact)
         elif self.pending:
             self.pending, self.unreduced = False, None  # DDP averages all of .grad at its end
         else:
