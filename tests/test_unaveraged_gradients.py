@@ -85,7 +85,7 @@ def _stepped_in_backward(rank: int, world: int) -> nn.Module:
     return model
 
 
-def _lbfgs(rank: int, world: int) -> nn.Module:
+def _lbfgs(rank: int, world: int, second_backward: bool = False) -> nn.Module:
     x, y = _share(rank, world)
     model = _model()
     opt = torch.optim.LBFGS(model.parameters(), lr=1, max_iter=5, line_search_fn="strong_wolfe")
@@ -93,12 +93,19 @@ def _lbfgs(rank: int, world: int) -> nn.Module:
 
         def closure() -> torch.Tensor:
             opt.zero_grad()
-            loss = (model(x) - y).pow(2).mean()
-            loss.backward()
+            out = model(x)
+            loss = (out - y).pow(2).mean()
+            loss.backward(retain_graph=second_backward)
+            if second_backward:  # gradients DDP does not average, inside the step
+                out.abs().mean().mul(0.1).backward()
             return loss
 
-        opt.step(closure)
+        opt.step(closure)  # STEP LINE
     return model
+
+
+def _lbfgs_two_backwards(rank: int, world: int) -> nn.Module:
+    return _lbfgs(rank, world, second_backward=True)
 
 
 def _run(habit) -> tuple[list[torch.Tensor], list[tuple[str, str, int]]]:
@@ -156,3 +163,7 @@ def test_lbfgs_line_search_decides_on_the_global_loss_like_one_process():
     assert torch.equal(everyone[0], everyone[1])
     torch.testing.assert_close(everyone[0], one, rtol=1e-4, atol=1e-5)
     assert messages == []
+
+
+def test_lbfgs_averages_what_its_closure_leaves_unaveraged_at_every_call():
+    _check(_lbfgs_two_backwards, "retain_graph=True", _lbfgs)

@@ -8,7 +8,13 @@ through the model's DDP since that optimizer's last step, or a submodule was cal
 beside it (an auxiliary loss through ``model.encoder(x2)``, counted by ``_routing.watch``), it
 averages every gradient across ranks itself and says so once. Averaging again what DDP averaged
 changes nothing (the values are equal on every rank), so DDP's part plus the bypass's comes out
-averaged: the single-process gradient. The check is a few integer comparisons per step.
+averaged: the single-process gradient. The same holds for gradients DDP did not average though
+the forward went through it (``_reduction``: ``torch.autograd.grad``'s results put into ``.grad``,
+a second backward through one forward). A step inside a backward pass (an optimizer stepped from
+a post-accumulate-grad hook) averages its own parameters' gradients first, DDP's being still
+under way. With ``step(closure)`` the check follows each closure call, and the closure's loss is
+the mean over the ranks (LBFGS's line search decides on it). The check is a few integer
+comparisons per step.
 """
 
 from __future__ import annotations
@@ -46,6 +52,17 @@ class _Guard:
             if _average(params) and self.models:
                 self._say(self.models[0], "in backward", _in_backward())
             return None
+        closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
+        if not callable(closure):
+            self.check()
+            return None
+        made = functools.partial(self._closure, closure)  # (the gradients come from each call)
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": made}
+        return (args[0], made, *args[2:]), kwargs  # (args[0]: the optimizer)
+
+    def check(self) -> None:
+        """Average the gradients of each model whose ``.grad`` DDP did not (wholly) average."""
         for model in self.models:
             replica = model.__dict__.get(_routing.REPLICA_ATTR)
             if replica is None:
@@ -59,7 +76,16 @@ class _Guard:
                     reason = "unseen" if unseen else unreduced or "beside"
                     self._say(model, reason, _WORDS[reason](type(model).__name__))
             self.seen[id(model)] = (replica.forwards, replica.bypasses)
-        return _global_closure(args, kwargs)
+
+    def _closure(self, closure: Callable[[], Any]) -> Any:
+        """``step(closure)``'s closure: its gradients checked, its loss the mean over the processes.
+
+        An optimizer deciding on the loss (LBFGS's line search) then decides as one process would
+        with the whole batch, and alike on every rank: the same number of closure calls everywhere.
+        """
+        loss = closure()
+        self.check()
+        return _global_value(loss)
 
     def _say(self, model: torch.nn.Module, reason: str, text: str) -> None:
         """Said once per model and reason, whichever of its optimizers (one per parameter) stepped."""
@@ -124,28 +150,12 @@ _WORDS = {
 }
 
 
-def _global_closure(args: Any, kwargs: Any) -> tuple[Any, Any] | None:
-    """``step(closure)``'s closure, returning the loss's mean over the processes (None: no closure).
-
-    An optimizer deciding on the loss (LBFGS's line search) then decides as one process would
-    with the whole batch, and alike on every rank: the same number of closure calls everywhere.
-    """
-    closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
-    if not callable(closure):
-        return None
-    made = functools.partial(_global_loss, closure)
-    if "closure" in kwargs:
-        return args, {**kwargs, "closure": made}
-    return (args[0], made, *args[2:]), kwargs  # (args[0]: the optimizer)
-
-
-def _global_loss(closure: Callable[[], Any]) -> Any:
-    """The closure's loss averaged across ranks, exactly the same number on every rank."""
+def _global_value(loss: Any) -> Any:
+    """A loss averaged across ranks, exactly the same number on every rank (anything else as it is)."""
     import torch.distributed as dist
 
     from autoddp.state import CURRENT
 
-    loss = closure()
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         total = loss.detach().clone()
     elif isinstance(loss, (int, float)) and not isinstance(loss, bool) and CURRENT.world is not None:
