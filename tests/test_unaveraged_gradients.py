@@ -49,24 +49,31 @@ def _by_autograd_grad(rank: int, world: int, gradients=torch.autograd.grad) -> n
     return model
 
 
-def _two_backwards(rank: int, world: int) -> nn.Module:
+def _two_backwards(rank: int, world: int, steps: int = 6) -> nn.Module:
     x, y = _share(rank, world)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     half = len(x) // 2
-    for step in range(6):
+    for step in range(steps):
         opt.zero_grad()
         if step < 2:  # ordinary steps first: accumulation under no_sync, clipping: nothing to say
             with getattr(model, "no_sync", contextlib.nullcontext)():  # (one process: none)
                 (model(x[:half]) - y[:half]).pow(2).mean().div(2).backward()
             (model(x[half:]) - y[half:]).pow(2).mean().div(2).backward()
             nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        elif step == 2:  # two forwards, one backward: nothing to say either
+            first, second = (model(x[:half]) - y[:half]), (model(x[half:]) - y[half:])
+            (first.pow(2).mean() + second.pow(2).mean()).backward()
         else:
             out = model(x)
             (out - y).pow(2).mean().backward(retain_graph=True)
             out.abs().mean().backward()
         opt.step()  # STEP LINE
     return model
+
+
+def _ordinary(rank: int, world: int) -> nn.Module:
+    return _two_backwards(rank, world, steps=3)
 
 
 def _stepped_in_backward(rank: int, world: int) -> nn.Module:
@@ -151,6 +158,13 @@ def test_gradients_from_autograd_grad_put_into_grad_by_hand_are_averaged_and_sai
 
 def test_a_second_backward_through_one_forward_is_averaged_and_said():
     _check(_two_backwards, "retain_graph=True")
+
+
+def test_ordinary_steps_are_left_to_ddp_alone():
+    everyone, messages = _run(_ordinary)  # no_sync accumulation, clipping, two forwards, one backward
+    assert torch.equal(everyone[0], everyone[1])
+    torch.testing.assert_close(everyone[0], _flat(_ordinary(0, 1)), rtol=1e-5, atol=1e-6)
+    assert messages == []
 
 
 def test_an_optimizer_stepped_inside_the_backward_pass_steps_on_averaged_gradients():

@@ -45,22 +45,6 @@ def stepping_in_backward() -> bool:
     return CURRENT.backward_kind == BACKWARD
 
 
-class _Pass:
-    """One forward through the DDP: the number of the last backward that reached its outputs."""
-
-    __slots__ = ("ledger", "reached")
-
-    def __init__(self, ledger: Ledger) -> None:
-        self.ledger = ledger
-        self.reached = -1
-
-    def __call__(self, grad: torch.Tensor) -> None:
-        number = CURRENT.backwards
-        if self.reached != number:  # (another output of the same pass: said once)
-            self.reached = number
-            self.ledger.reached()
-
-
 class Ledger:
     """Whether a model's ``.grad`` holds gradients DDP did not average since its last reduction."""
 
@@ -69,19 +53,25 @@ class Ledger:
         self.pending = False
         #: What put gradients DDP did not average into ``.grad`` since its last reduction, or None.
         self.unreduced: str | None = None
+        #: The number of the last backward that reached this model's forwards (``CURRENT.backwards``).
+        self.last = -1
         #: The reasons the guard has given for averaging this model's gradients (each said once).
         self.said: set[str] = set()
 
     def forwarded(self, result: Any, synced: bool) -> None:
         """A forward with gradients went through the DDP: hook its outputs (``synced``: not in no_sync)."""
         self.pending = self.pending or synced
-        on_backward(result, _Pass(self))
+        on_backward(result, self.reached)
 
-    def reached(self) -> None:
+    def reached(self, grad: torch.Tensor) -> None:
         """A backward (or ``torch.autograd.grad``) reached a forward's outputs: did DDP average it?"""
         if CURRENT.backward_kind != BACKWARD:  # grad, or None: one imported by name before capture
             self.unreduced = GRAD  # (its results may be put into .grad; averaging again is exact)
-        elif self.pending:
+            return
+        if CURRENT.backwards == self.last:
+            return  # another output, or another forward, of the same backward
+        self.last = CURRENT.backwards
+        if self.pending:
             self.pending, self.unreduced = False, None  # DDP averages all of .grad at its end
         else:
             self.unreduced = BACKWARD  # a second backward through one forward (retain_graph)
