@@ -8,6 +8,7 @@ batch, and the averaging autoddp adds is said once, at the user's line.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 
 import torch
@@ -68,6 +69,33 @@ def _two_backwards(rank: int, world: int, steps: int = 6) -> nn.Module:
             out = model(x)
             (out - y).pow(2).mean().backward(retain_graph=True)
             out.abs().mean().backward()
+        opt.step()  # STEP LINE
+    return model
+
+
+@dataclasses.dataclass
+class Output:
+    prediction: torch.Tensor
+
+
+class Regressor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _model()
+
+    def forward(self, x: torch.Tensor) -> Output:
+        return Output(self.net(x))
+
+
+def _two_backwards_through_a_dataclass(rank: int, world: int) -> nn.Module:
+    x, y = _share(rank, world)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        out = model(x).prediction
+        (out - y).pow(2).mean().backward(retain_graph=True)
+        out.abs().mean().backward()
         opt.step()  # STEP LINE
     return model
 
@@ -158,6 +186,10 @@ def test_gradients_from_autograd_grad_put_into_grad_by_hand_are_averaged_and_sai
 
 def test_a_second_backward_through_one_forward_is_averaged_and_said():
     _check(_two_backwards, "retain_graph=True")
+
+
+def test_a_second_backward_through_a_forward_returning_a_dataclass_is_averaged_and_said():
+    _check(_two_backwards_through_a_dataclass, "retain_graph=True")
 
 
 def test_ordinary_steps_are_left_to_ddp_alone():

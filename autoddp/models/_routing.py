@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import threading
 import types
@@ -218,7 +219,7 @@ class _Watch:
 
 
 def on_backward(value: Any, hook: Callable[[torch.Tensor], None]) -> None:
-    """Hook every tensor in ``value`` (nested lists, tuples, dicts) that a backward may reach."""
+    """Hook every tensor in ``value`` (nested lists, tuples, dicts, dataclasses) a backward may reach."""
     if isinstance(value, torch.Tensor):
         if value.requires_grad:
             value.register_hook(hook)
@@ -228,6 +229,9 @@ def on_backward(value: Any, hook: Callable[[torch.Tensor], None]) -> None:
     elif isinstance(value, dict):
         for item in value.values():
             on_backward(item, hook)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            on_backward(getattr(value, field.name, None), hook)
 
 
 def _watcher(module: torch.nn.Module) -> _Watch | None:
