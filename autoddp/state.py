@@ -81,6 +81,11 @@ class Run:
         #: split_batches: this rank's share of the batch last handed out (W * part / batch; 0: a rank
         #: with no sample of it; None: no split batch in use). Models weigh their gradients by it.
         self.split_weight: float | None = None
+        #: torch.autograd.backward and .grad calls begun under capture, and the kind running now
+        #: ("backward": accumulating into .grad; "grad": returning gradients; None): the step's
+        #: averaging guard tells one backward from the next and sees an optimizer step inside one.
+        self.backwards = 0
+        self.backward_kind: str | None = None
         #: Models wrapped in each joined world, innermost last (weakly: a model may go).
         self._wrapped: list[weakref.WeakKeyDictionary[Any, Releasing]] = []
 

@@ -137,7 +137,7 @@ def test_few_modules_at_the_root_and_strategies_behind_their_seam():
     modules = _modules()
     strategies = {
         "autoddp.models." + n
-        for n in ("ddp", "fsdp", "_routing", "_averaging", "_reads", "_start", "_fsdp_state")
+        for n in ("ddp", "fsdp", "_routing", "_averaging", "_reduction", "_reads", "_start", "_fsdp_state")
     }
     reached = sorted(
         f"{name} imports {target}"

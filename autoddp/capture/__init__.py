@@ -11,8 +11,8 @@ patches it installs and removes around that code only:
   gets all of a random loader (``loaders``);
 - ``torch.save`` to a path: written once, by rank 0, atomically (``saves``);
 - ``DistributedDataParallel.__init__``: a user's own DDP takes over from autoddp's (never two);
-- ``torch.autograd.backward`` (its first call) and every optimizer step (torch's public global
-  step hook): what could not be distributed is said (``_undistributed``);
+- ``torch.autograd.backward`` (its first call; each, and ``grad``, counted for ``models.counted``)
+  and every optimizer step (global step hook): what could not be distributed is said (``_undistributed``);
 - in a script, ``init_process_group``: the user's own group turns capture off, one called after
   autoddp had to make the group is a clear error.
 
@@ -94,7 +94,8 @@ class Session:
                 (DataLoader, "__iter__", self._loader_iter),
                 (DataLoader, "__len__", self._loader_len),
                 (torch.nn.parallel.DistributedDataParallel, "__init__", self._ddp_init),
-                (torch.autograd, "backward", self._backward),
+                (torch.autograd, "backward", lambda original: self._backward(models.counted(original))),
+                (torch.autograd, "grad", lambda original: models.counted(original, accumulates=False)),
                 *((owner, "save", self._save) for owner in (torch, torch.serialization)),
             ]
             if self._join is not None:  # a script: the user may make the group themselves

@@ -148,6 +148,14 @@ def guard_optimizer(optimizer: torch.optim.Optimizer) -> None:
     _averaging.guard(optimizer, trained)
 
 
+def counted(original: Any, accumulates: bool = True) -> Any:
+    """``torch.autograd.backward`` (``accumulates``) or ``grad`` saying that it runs, for the step's
+    averaging guard: which backward passes DDP averaged, and a step inside one (``_reduction``)."""
+    from autoddp.models import _reduction
+
+    return _reduction.counting(original, _reduction.BACKWARD if accumulates else _reduction.GRAD)
+
+
 def check_split_loss(loss: Any) -> None:
     """split_batches: warn when the first loss is summed over the batch (a mean is assumed)."""
     _split.check_loss(loss)

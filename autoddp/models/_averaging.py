@@ -8,17 +8,25 @@ through the model's DDP since that optimizer's last step, or a submodule was cal
 beside it (an auxiliary loss through ``model.encoder(x2)``, counted by ``_routing.watch``), it
 averages every gradient across ranks itself and says so once. Averaging again what DDP averaged
 changes nothing (the values are equal on every rank), so DDP's part plus the bypass's comes out
-averaged: the single-process gradient. The check is a few integer comparisons per step.
+averaged: the single-process gradient. The same holds for gradients DDP did not average though
+the forward went through it (``_reduction``: ``torch.autograd.grad``'s results put into ``.grad``,
+a second backward through one forward). A step inside a backward pass (an optimizer stepped from
+a post-accumulate-grad hook) averages its own parameters' gradients first, DDP's being still
+under way. With ``step(closure)`` the check follows each closure call, and the closure's loss is
+the mean over the ranks (LBFGS's line search decides on it). The check is a few integer
+comparisons per step.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from autoddp import _warn
-from autoddp.models import _routing
+from autoddp.models import _reduction, _routing
 
 _GUARDED = "_autoddp_guarded"
 
@@ -29,7 +37,6 @@ class _Guard:
     def __init__(self) -> None:
         self.models: list[torch.nn.Module] = []
         self.seen: dict[int, tuple[int, int]] = {}  # id(model) -> (DDP forwards, bypasses)
-        self.warned: set[int] = set()
 
     def add(self, models: list[torch.nn.Module]) -> None:
         for model in models:
@@ -39,21 +46,57 @@ class _Guard:
                 self.models.append(model)
                 self.seen[id(model)] = (replica.forwards, replica.bypasses)
 
-    def __call__(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def __call__(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        if _reduction.stepping_in_backward():  # a step from a hook: DDP has not averaged yet
+            params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
+            if _average(params) and self.models:
+                self._say(self.models[0], "in backward", _in_backward())
+            return None
+        closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
+        if not callable(closure):
+            self.check()
+            return None
+        made = functools.partial(self._closure, closure)  # (the gradients come from each call)
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": made}
+        return (args[0], made, *args[2:]), kwargs  # (args[0]: the optimizer)
+
+    def check(self) -> None:
+        """Average the gradients of each model whose ``.grad`` DDP did not (wholly) average."""
         for model in self.models:
             replica = model.__dict__.get(_routing.REPLICA_ATTR)
             if replica is None:
                 continue
             forwards, bypasses = self.seen[id(model)]
             unseen = replica.forwards == forwards
-            if (unseen or replica.bypasses != bypasses) and _average(model) and id(model) not in self.warned:
-                self.warned.add(id(model))
-                _warn.warn(_without_ddp(model) if unseen else _beside_ddp(model))
+            unreduced = replica.reduction.take()  # (taken by the first optimizer: it averages all)
+            if unseen or unreduced or replica.bypasses != bypasses:
+                params = [p for p in model.parameters() if p.requires_grad]
+                if _average(params):
+                    reason = "unseen" if unseen else unreduced or "beside"
+                    self._say(model, reason, _WORDS[reason](type(model).__name__))
             self.seen[id(model)] = (replica.forwards, replica.bypasses)
 
+    def _closure(self, closure: Callable[[], Any]) -> Any:
+        """``step(closure)``'s closure: its gradients checked, its loss the mean over the processes.
 
-def _without_ddp(model: torch.nn.Module) -> str:
-    name = type(model).__name__
+        An optimizer deciding on the loss (LBFGS's line search) then decides as one process would
+        with the whole batch, and alike on every rank: the same number of closure calls everywhere.
+        """
+        loss = closure()
+        self.check()
+        return _global_value(loss)
+
+    def _say(self, model: torch.nn.Module, reason: str, text: str) -> None:
+        """Said once per model and reason, whichever of its optimizers (one per parameter) stepped."""
+        replica = model.__dict__.get(_routing.REPLICA_ATTR)
+        said = replica.reduction.said if replica is not None else set()
+        if reason not in said:
+            said.add(reason)
+            _warn.warn(text)
+
+
+def _without_ddp(name: str) -> str:
     return (
         f"{name}'s gradients were computed without calling {name} itself (its submodules or its "
         "forward were called directly), so DDP did not average them; autoddp averaged them before "
@@ -62,14 +105,66 @@ def _without_ddp(model: torch.nn.Module) -> str:
     )
 
 
-def _beside_ddp(model: torch.nn.Module) -> str:
-    name = type(model).__name__
+def _beside_ddp(name: str) -> str:
     return (
         f"{name}'s submodules were called directly with gradients (model.encoder(x) beside "
         f"model(x), e.g. an auxiliary loss), so part of its gradients did not go through DDP; "
         "autoddp averaged all of them again before optimizer.step() (one more all-reduce per such "
         f"step). Compute that loss inside {name}'s forward to leave it to DDP alone"
     )
+
+
+def _by_hand(name: str) -> str:
+    return (
+        f"{name}'s gradients came from torch.autograd.grad and were put into .grad by hand, so DDP "
+        "did not average them (it averages backward passes only); autoddp averaged them across "
+        "processes before optimizer.step() (one more all-reduce per step). Call loss.backward() to "
+        "let DDP average them while the backward pass runs"
+    )
+
+
+def _second_backward(name: str) -> str:
+    return (
+        f"a second backward through one forward of {name} (backward(retain_graph=True), then another "
+        "backward) added gradients DDP does not average (it averages one backward per forward); "
+        "autoddp averaged all of them again before optimizer.step() (exact: DDP's part is already "
+        "equal on every rank; one more all-reduce per such step). Add the losses and call backward "
+        "once to leave it to DDP alone"
+    )
+
+
+def _in_backward() -> str:
+    return (
+        "an optimizer stepped inside the backward pass (from a hook, e.g. "
+        "register_post_accumulate_grad_hook), before DDP had averaged the gradients; autoddp "
+        "averages the gradients of that optimizer's parameters across processes just before each "
+        "such step (one all-reduce per step, not overlapped with the backward pass)"
+    )
+
+
+_WORDS = {
+    "unseen": _without_ddp,
+    "beside": _beside_ddp,
+    _reduction.GRAD: _by_hand,
+    _reduction.BACKWARD: _second_backward,
+}
+
+
+def _global_value(loss: Any) -> Any:
+    """A loss averaged across ranks, exactly the same number on every rank (anything else as it is)."""
+    import torch.distributed as dist
+
+    from autoddp.state import CURRENT
+
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        total = loss.detach().clone()
+    elif isinstance(loss, (int, float)) and not isinstance(loss, bool) and CURRENT.world is not None:
+        total = torch.tensor(float(loss), dtype=torch.float64, device=CURRENT.world.device)
+    else:
+        return loss
+    dist.all_reduce(total)
+    total.div_(dist.get_world_size())
+    return total if isinstance(loss, torch.Tensor) else total.item()
 
 
 def guard(optimizer: torch.optim.Optimizer, models: list[torch.nn.Module]) -> None:
@@ -89,11 +184,10 @@ def guard(optimizer: torch.optim.Optimizer, models: list[torch.nn.Module]) -> No
     optimizer.__dict__[_GUARDED] = hook
 
 
-def _average(model: torch.nn.Module) -> bool:
-    """Average every trainable parameter's gradient across ranks; False when there was none."""
+def _average(params: list[torch.Tensor]) -> bool:
+    """Average the gradients of ``params`` across ranks; False when none had one."""
     import torch.distributed as dist
 
-    params = [p for p in model.parameters() if p.requires_grad]
     if not any(p.grad is not None for p in params):
         return False
     world = dist.get_world_size()

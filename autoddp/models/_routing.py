@@ -21,6 +21,7 @@ so that the optimizer's guard averages those gradients (``_averaging``). Inside 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 import types
@@ -47,6 +48,9 @@ class Replica(Protocol):
     bypasses: int
     #: True while the DDP's forward runs (what the submodules' watchers read: no thread-local).
     inside: bool
+    #: Whether an optimizer's guard reads the counts, and which backward passes DDP averaged.
+    watched: bool
+    reduction: Any
 
     def for_call(
         self, module: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
@@ -84,6 +88,8 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     replica.forwards += 1
     try:
         result = ddp(*args, **kwargs)
+        if replica.watched:  # an optimizer's guard reads which backward passes DDP averaged
+            replica.reduction.forwarded(result, ddp.require_backward_grad_sync)
         if CURRENT.split_weight is not None:  # split_batches: this rank's part weighs its share
             _split.weigh(result, CURRENT.split_weight)
         return result
@@ -228,21 +234,24 @@ class _Watch:
         if replica is None or replica.inside or not torch.is_grad_enabled():
             return self.calls(*args, **kwargs)
         result = self.calls(*args, **kwargs)
-        _on_backward(result, replica.count_bypass)
+        on_backward(result, replica.count_bypass)
         return result
 
 
-def _on_backward(value: Any, hook: Callable[[torch.Tensor], None]) -> None:
-    """Hook every tensor in ``value`` (nested lists, tuples, dicts) that a backward may reach."""
+def on_backward(value: Any, hook: Callable[[torch.Tensor], None]) -> None:
+    """Hook every tensor in ``value`` (nested lists, tuples, dicts, dataclasses) a backward may reach."""
     if isinstance(value, torch.Tensor):
         if value.requires_grad:
             value.register_hook(hook)
     elif isinstance(value, (list, tuple)):
         for item in value:
-            _on_backward(item, hook)
+            on_backward(item, hook)
     elif isinstance(value, dict):
         for item in value.values():
-            _on_backward(item, hook)
+            on_backward(item, hook)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            on_backward(getattr(value, field.name, None), hook)
 
 
 def _watcher(module: torch.nn.Module) -> _Watch | None:

@@ -29,7 +29,7 @@ import torch
 from autoddp import _compat, _warn
 from autoddp.environment import hardware
 from autoddp.errors import ConfigurationError
-from autoddp.models import _class_swap, _routing, _split
+from autoddp.models import _class_swap, _reduction, _routing, _split
 from autoddp.models.strategy import Strategy
 from autoddp.state import CURRENT, RunOptions, World
 from autoddp.worker import placement
@@ -85,8 +85,7 @@ class Replica:
     def __init__(self, module: torch.nn.Module, ddp_kwargs: Mapping[str, Any]) -> None:
         self.ddp_kwargs = {**DEFAULTS, **ddp_kwargs}
         self.signature: list[tuple[torch.nn.Parameter, torch.dtype, torch.device, bool]] = []
-        #: Whether the module had buffers at the build: DDP decides it once (a first buffer would stay
-        #: per rank, the last one's removal fails in its reducer), so a change rebuilds it.
+        #: Whether the module had buffers at the build: DDP decides it once, so a change rebuilds it.
         self.buffered = False
         #: ``CURRENT.parameter_events`` when the signature was last found current.
         self.events = -1
@@ -99,6 +98,7 @@ class Replica:
         #: Whether the submodules count those passes: only for an optimizer's guard, the one reader
         #: (``_averaging``); without one, a submodule's call costs nothing more than the plain call.
         self.watched = False
+        self.reduction = _reduction.Ledger()  # which backward passes DDP averaged (the guard's)
         self.inside = False  # while the DDP's forward runs
         self.lazy = _has_lazy_parameters(module)
         if not self.lazy:

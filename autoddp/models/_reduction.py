@@ -1,0 +1,82 @@
+"""Which backward passes DDP averaged: what the step's averaging guard needs to trust ``.grad``.
+
+DDP averages the gradients of one backward pass after each forward through it (the first one that
+accumulates into ``.grad``). Gradients that reach ``.grad`` otherwise are this process's own: a
+second backward through the same forward (``retain_graph=True``), or ``torch.autograd.grad``'s
+results assigned to ``.grad`` by hand. Capture counts ``torch.autograd.backward`` and ``grad``
+calls (``counting``, in ``CURRENT``); every forward through a guarded model's DDP hooks its
+outputs (``Ledger.forwarded``), so that a pass reaching them tells whether DDP averages it; the
+guard (``_averaging``) averages at ``step()`` when one did not, or when a step runs inside a
+backward pass (before DDP's all-reduce has finished).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from autoddp.models._routing import on_backward
+from autoddp.state import CURRENT
+
+#: ``CURRENT.backward_kind`` while ``torch.autograd.backward`` (accumulating) or ``grad`` runs.
+BACKWARD = "backward"
+GRAD = "grad"
+
+
+def counting(original: Callable[..., Any], kind: str) -> Callable[..., Any]:
+    """``torch.autograd.backward`` or ``grad`` that says, in ``CURRENT``, that it runs (and which)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        previous = CURRENT.backward_kind
+        CURRENT.backwards += 1
+        CURRENT.backward_kind = kind
+        try:
+            return original(*args, **kwargs)
+        finally:
+            CURRENT.backward_kind = previous
+
+    return call
+
+
+def stepping_in_backward() -> bool:
+    """True while a backward pass runs (an optimizer stepped from a hook steps before DDP averaged)."""
+    return CURRENT.backward_kind == BACKWARD
+
+
+class Ledger:
+    """Whether a model's ``.grad`` holds gradients DDP did not average since its last reduction."""
+
+    def __init__(self) -> None:
+        #: A forward through the DDP with synchronisation on awaits the backward DDP averages.
+        self.pending = False
+        #: What put gradients DDP did not average into ``.grad`` since its last reduction, or None.
+        self.unreduced: str | None = None
+        #: The number of the last backward that reached this model's forwards (``CURRENT.backwards``).
+        self.last = -1
+        #: The reasons the guard has given for averaging this model's gradients (each said once).
+        self.said: set[str] = set()
+
+    def forwarded(self, result: Any, synced: bool) -> None:
+        """A forward with gradients went through the DDP: hook its outputs (``synced``: not in no_sync)."""
+        self.pending = self.pending or synced
+        on_backward(result, self.reached)
+
+    def reached(self, grad: torch.Tensor) -> None:
+        """A backward (or ``torch.autograd.grad``) reached a forward's outputs: did DDP average it?"""
+        if CURRENT.backward_kind != BACKWARD:  # grad, or None: one imported by name before capture
+            self.unreduced = GRAD  # (its results may be put into .grad; averaging again is exact)
+            return
+        if CURRENT.backwards == self.last:
+            return  # another output, or another forward, of the same backward
+        self.last = CURRENT.backwards
+        if self.pending:
+            self.pending, self.unreduced = False, None  # DDP averages all of .grad at its end
+        else:
+            self.unreduced = BACKWARD  # a second backward through one forward (retain_graph)
+
+    def take(self) -> str | None:
+        """What left gradients DDP did not average (None: nothing); forgotten once averaged."""
+        found, self.unreduced = self.unreduced, None
+        return found

@@ -1,0 +1,215 @@
+"""Gradients that DDP did not average are never stepped silently (issue 31, item 3).
+
+Real 2-process gloo runs of habits whose gradients reach ``.grad`` without DDP's averaging, or
+whose optimizer decides on the loss: each ends with the weights of one process with the global
+batch, and the averaging autoddp adds is said once, at the user's line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import autoddp
+
+N = 16  # samples: each rank takes its half, one process the whole (mean losses: the same step)
+
+
+def _share(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(N, 4, generator=generator)
+    y = x @ torch.randn(4, 2, generator=generator)
+    return x.chunk(world)[rank], y.chunk(world)[rank]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def _by_autograd_grad(rank: int, world: int, gradients=torch.autograd.grad) -> nn.Module:
+    x, y = _share(rank, world)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(4):
+        loss = (model(x) - y).pow(2).mean()
+        params = list(model.parameters())
+        grads = gradients(loss, params)  # (the default: torch.autograd.grad as imported, unpatched)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        opt.step()  # STEP LINE
+    return model
+
+
+def _two_backwards(rank: int, world: int, steps: int = 6) -> nn.Module:
+    x, y = _share(rank, world)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    half = len(x) // 2
+    for step in range(steps):
+        opt.zero_grad()
+        if step < 2:  # ordinary steps first: accumulation under no_sync, clipping: nothing to say
+            with getattr(model, "no_sync", contextlib.nullcontext)():  # (one process: none)
+                (model(x[:half]) - y[:half]).pow(2).mean().div(2).backward()
+            (model(x[half:]) - y[half:]).pow(2).mean().div(2).backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        elif step == 2:  # two forwards, one backward: nothing to say either
+            first, second = (model(x[:half]) - y[:half]), (model(x[half:]) - y[half:])
+            (first.pow(2).mean() + second.pow(2).mean()).backward()
+        else:
+            out = model(x)
+            (out - y).pow(2).mean().backward(retain_graph=True)
+            out.abs().mean().backward()
+        opt.step()  # STEP LINE
+    return model
+
+
+@dataclasses.dataclass
+class Output:
+    prediction: torch.Tensor
+
+
+class Regressor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _model()
+
+    def forward(self, x: torch.Tensor) -> Output:
+        return Output(self.net(x))
+
+
+def _two_backwards_through_a_dataclass(rank: int, world: int) -> nn.Module:
+    x, y = _share(rank, world)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        out = model(x).prediction
+        (out - y).pow(2).mean().backward(retain_graph=True)
+        out.abs().mean().backward()
+        opt.step()  # STEP LINE
+    return model
+
+
+def _ordinary(rank: int, world: int) -> nn.Module:
+    return _two_backwards(rank, world, steps=3)
+
+
+def _stepped_in_backward(rank: int, world: int) -> nn.Module:
+    x, y = _share(rank, world)
+    model = _model()
+    optimizers = {p: torch.optim.Adam([p], lr=0.05) for p in model.parameters()}
+
+    def step_now(p: torch.Tensor) -> None:
+        optimizers[p].step()  # STEP LINE
+        optimizers[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step_now)
+    for _ in range(4):
+        (model(x) - y).pow(2).mean().backward()
+    return model
+
+
+def _lbfgs(rank: int, world: int, second_backward: bool = False) -> nn.Module:
+    x, y = _share(rank, world)
+    model = _model()
+    opt = torch.optim.LBFGS(model.parameters(), lr=1, max_iter=5, line_search_fn="strong_wolfe")
+    for _ in range(3):
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            out = model(x)
+            loss = (out - y).pow(2).mean()
+            loss.backward(retain_graph=second_backward)
+            if second_backward:  # gradients DDP does not average, inside the step
+                out.abs().mean().mul(0.1).backward()
+            return loss
+
+        opt.step(closure)  # STEP LINE
+    return model
+
+
+def _lbfgs_two_backwards(rank: int, world: int) -> nn.Module:
+    return _lbfgs(rank, world, second_backward=True)
+
+
+def _run(habit) -> tuple[list[torch.Tensor], list[tuple[str, str, int]]]:
+    @autoddp.distributed(nproc=2)
+    def train():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = habit(autoddp.rank(), autoddp.world_size())
+        flat = _flat(model)
+        everyone = [torch.zeros_like(flat) for _ in range(autoddp.world_size())]
+        dist.all_gather(everyone, flat)
+        return everyone, [(str(w.message), w.filename, w.lineno) for w in caught]
+
+    return train()
+
+
+def _step_line(habit) -> int:
+    import inspect
+
+    lines, first = inspect.getsourcelines(habit)
+    return first + next(i for i, line in enumerate(lines) if "# STEP LINE" in line)
+
+
+def _check(habit, words: str, written_in=None) -> None:
+    everyone, messages = _run(habit)
+    one = _flat(habit(0, 1))
+    assert torch.equal(everyone[0], everyone[1])  # the ranks agree
+    torch.testing.assert_close(everyone[0], one, rtol=1e-5, atol=1e-6)  # and equal one process
+    assert len(messages) == 1, messages
+    text, filename, line = messages[0]
+    assert words in text and "autoddp average" in text, text
+    assert (filename, line) == (__file__, _step_line(written_in or habit))
+
+
+def _by_torch_autograd_grad(rank: int, world: int) -> nn.Module:
+    return _by_autograd_grad(rank, world, lambda loss, params: torch.autograd.grad(loss, params))
+
+
+def test_gradients_from_autograd_grad_put_into_grad_by_hand_are_averaged_and_said():
+    _check(_by_autograd_grad, "torch.autograd.grad")  # the name bound before the call (unpatched)
+    _check(_by_torch_autograd_grad, "torch.autograd.grad", _by_autograd_grad)  # looked up in the call
+
+
+def test_a_second_backward_through_one_forward_is_averaged_and_said():
+    _check(_two_backwards, "retain_graph=True")
+
+
+def test_a_second_backward_through_a_forward_returning_a_dataclass_is_averaged_and_said():
+    _check(_two_backwards_through_a_dataclass, "retain_graph=True")
+
+
+def test_ordinary_steps_are_left_to_ddp_alone():
+    everyone, messages = _run(_ordinary)  # no_sync accumulation, clipping, two forwards, one backward
+    assert torch.equal(everyone[0], everyone[1])
+    torch.testing.assert_close(everyone[0], _flat(_ordinary(0, 1)), rtol=1e-5, atol=1e-6)
+    assert messages == []
+
+
+def test_an_optimizer_stepped_inside_the_backward_pass_steps_on_averaged_gradients():
+    _check(_stepped_in_backward, "inside the backward pass")
+
+
+def test_lbfgs_line_search_decides_on_the_global_loss_like_one_process():
+    everyone, messages = _run(_lbfgs)
+    one = _flat(_lbfgs(0, 1))
+    assert torch.equal(everyone[0], everyone[1])
+    torch.testing.assert_close(everyone[0], one, rtol=1e-4, atol=1e-5)
+    assert messages == []
+
+
+def test_lbfgs_averages_what_its_closure_leaves_unaveraged_at_every_call():
+    _check(_lbfgs_two_backwards, "retain_graph=True", _lbfgs)
