@@ -15,6 +15,7 @@ from typing import Any
 
 from torch.utils.data.distributed import DistributedSampler
 
+from autoddp.data.draws import OneProcessDraws
 from autoddp.state import World
 from autoddp.worker import streams
 
@@ -27,9 +28,11 @@ class AutoEpochSampler(DistributedSampler):
     with no ``set_epoch`` call. An explicit ``set_epoch(n)`` still wins: the next pass uses ``n``,
     the ones after it ``n + 1``, ``n + 2``... The epoch advances when the pass starts yielding, not
     when ``iter()`` is called, because DataLoader may create and drop a sampler iterator unused.
+    ``original``: the sampler one process would iterate; the draws its pass makes on the user's
+    streams are made beside each pass (``draws.OneProcessDraws``), when it can be replayed.
     """
 
-    def __init__(self, source: Any, *, world: World, shuffle: bool, seed: int) -> None:
+    def __init__(self, source: Any, *, world: World, shuffle: bool, seed: int, original: Any = None) -> None:
         super().__init__(
             source,
             num_replicas=world.world_size,
@@ -39,6 +42,7 @@ class AutoEpochSampler(DistributedSampler):
             drop_last=False,
         )
         self._next_epoch = 0
+        self.one_process = _replay(original)
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next pass; later passes continue from it."""
@@ -51,7 +55,16 @@ class AutoEpochSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[Any]:
         self._begin_pass()
-        yield from super().__iter__()
+        yield from _beside(self.one_process, super().__iter__())
+
+
+def _replay(original: Any) -> OneProcessDraws | None:
+    return OneProcessDraws(original) if OneProcessDraws.replayable(original) else None
+
+
+def _beside(one_process: OneProcessDraws | None, items: Iterator[Any]) -> Iterator[Any]:
+    """``items``, with one process's draws made on the user's streams beside them when known."""
+    return items if one_process is None else one_process.follow(items)
 
 
 class ShardedSampler(AutoEpochSampler):
@@ -82,6 +95,7 @@ class ShardedSampler(AutoEpochSampler):
         self.seed = seed
         self.shuffle = False
         self.drop_last = False
+        self.one_process = _replay(sampler)
 
     @property
     def num_samples(self) -> int:
@@ -99,7 +113,7 @@ class ShardedSampler(AutoEpochSampler):
         self._begin_pass()
         private = streams.Private((self.seed + self.epoch) % 2**64)
         parts = _parts(self.sampler, private, self.CHUNK * self.num_replicas)
-        yield from _share(parts, self.rank, self.num_replicas)
+        yield from _beside(self.one_process, _share(parts, self.rank, self.num_replicas))
 
 
 def _parts(sampler: Any, private: streams.Private, size: int) -> Iterator[list[Any]]:

@@ -1,0 +1,87 @@
+"""The user's random streams around a sharded pass: one process's sampler draws, and workers per rank.
+
+A sharded sampler draws its order from states of its own (``streams.Private``), so that every
+rank agrees; one process's sampler draws from the user's streams instead (``RandomSampler``
+without a ``generator`` takes a seed from torch's global generator at every pass, one with a
+``generator`` advances it by its permutations). ``OneProcessDraws`` makes those same draws on the
+user's own streams, in step with the pass, so that whatever the script draws after a pass (a new
+model in k-fold, ``torch.rand``, a ``random_split``) is what one process draws. ``RankSeeded``
+gives the DataLoader workers of every rank but rank 0 seeds of their own, as each rank's
+augmentations must differ.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
+
+from autoddp.worker import streams
+
+#: torch's samplers whose ``__iter__`` only draws and yields (it changes nothing of the sampler),
+#: so iterating one a second time on the user's streams makes exactly one process's draws.
+_REPLAYABLE = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
+
+
+class OneProcessDraws:
+    """Replays, on the user's own streams, the draws one process's ``sampler`` makes in a pass.
+
+    ``follow(items)`` passes this rank's items through and, as the rank takes its k-th item,
+    takes one process's k-th from a pass over ``sampler`` made on the user's streams (its first
+    draws as the pass begins, lazy ones as one process's loop reaches them, so a loop left after N
+    steps has drawn what one process's N steps draw); when the rank's share ends, the rest of that
+    pass is taken too, as one process's loop takes the whole pass.
+    """
+
+    def __init__(self, sampler: Any) -> None:
+        self.sampler = sampler
+
+    @staticmethod
+    def replayable(sampler: Any) -> bool:
+        """True for a sampler whose pass can be made a second time without changing it."""
+        return type(sampler) in _REPLAYABLE
+
+    def follow(self, items: Iterator[Any]) -> Iterator[Any]:
+        """``items`` unchanged, with one process's draws made on the user's streams beside them."""
+        shadow = iter(self.sampler)
+        for item in items:
+            next(shadow, None)
+            yield item
+        for _ in shadow:
+            pass
+
+
+class RankSeeded:
+    """A DataLoader ``worker_init_fn`` that gives a rank's workers their own seeds, then calls the user's.
+
+    torch seeds worker ``i`` with ``base_seed + i``, and ``base_seed`` is drawn from the user's
+    streams, identical on ranks seeded alike: every rank would augment its samples identically.
+    This rank's workers reseed torch, ``random`` and (when loaded) NumPy from that seed and the
+    rank, before the user's own ``worker_init_fn`` runs (one reading ``torch.initial_seed()``
+    sees the rank's seed). Picklable, for workers in fresh interpreters.
+    """
+
+    def __init__(self, user: Callable[[int], Any] | None, rank: int) -> None:
+        self.user, self.rank = user, rank
+
+    def __call__(self, worker_id: int) -> None:
+        info = torch.utils.data.get_worker_info()
+        seed = streams.derive((info.seed % 2**64).to_bytes(8, "little"), self.rank)
+        torch.manual_seed(seed)
+        random.seed(seed)
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            numpy.random.seed(seed % 2**32)
+        if self.user is not None:
+            self.user(worker_id)
+
+
+def seed_workers_by_rank(loader: torch.utils.data.DataLoader, rank: int) -> None:
+    """Give ``loader``'s workers on rank ``rank`` seeds of their own (rank 0 keeps one process's)."""
+    if rank == 0 or isinstance(loader.worker_init_fn, RankSeeded):
+        return
+    loader.worker_init_fn = RankSeeded(loader.worker_init_fn, rank)
