@@ -5,8 +5,8 @@ generator takes a seed from torch's global generator, one with a generator advan
 sharded sampler draws its order from states of its own. Real 2-process gloo runs of an unchanged
 script under ``autoddp -n 2`` are compared with ``python script.py``: what the script draws after
 one and two epochs (``torch.rand``, a model made for the next fold, the sampler's generator,
-``random`` and NumPy) for every kind of torch's random samplers, and the seeds the DataLoader
-workers get (rank 0's are one process's, rank 1's its own).
+``random`` and NumPy) for every kind of torch's random samplers and samplers of one's own, and
+the seeds the DataLoader workers get (rank 0's are one process's, rank 1's its own).
 """
 
 from __future__ import annotations
@@ -19,13 +19,39 @@ SCRIPT = r"""
 import json, random, sys
 import numpy
 import torch
-from torch.utils.data import (DataLoader, RandomSampler, SubsetRandomSampler, TensorDataset,
-                              WeightedRandomSampler, get_worker_info)
+from torch.utils.data import (DataLoader, RandomSampler, Sampler, SubsetRandomSampler, TensorDataset,
+                              WeightedRandomSampler)
 
 torch.manual_seed(0)
 random.seed(0)
 numpy.random.seed(0)
 data = TensorDataset(torch.randn(20, 3), torch.randn(20, 1))
+
+
+class Buckets(Sampler):
+    "A bucket sampler of one's own: random shuffles its buckets in place, NumPy each bucket."
+
+    def __init__(self, n):
+        self.buckets = [list(range(start, min(start + 4, n))) for start in range(0, n, 4)]
+
+    def __len__(self):
+        return sum(map(len, self.buckets))
+
+    def __iter__(self):
+        random.shuffle(self.buckets)
+        for bucket in self.buckets:
+            yield from numpy.random.permutation(bucket).tolist()
+
+
+class Batches(Sampler):
+    "A batch sampler of one's own, shuffling with torch's global generator."
+
+    def __len__(self):
+        return 5
+
+    def __iter__(self):
+        order = torch.randperm(20).tolist()
+        return iter([order[i : i + 4] for i in range(0, 20, 4)])
 
 
 def sampler(kind):
@@ -40,6 +66,8 @@ def sampler(kind):
         "subset-generator": SubsetRandomSampler(list(range(3, 17)), generator=generator),
         "weighted": WeightedRandomSampler([1.0] * 10 + [3.0] * 10, 24),
         "weighted-generator": WeightedRandomSampler([1.0] * 20, 18, replacement=False, generator=generator),
+        "buckets": Buckets(20),
+        "batches": Batches(),
     }[kind], generator
 
 
@@ -50,7 +78,10 @@ for kind in sys.argv[2].split(","):
         model = torch.nn.Linear(3, 1)
         seen[f"{kind} {fold} first weights"] = model.weight.tolist()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        loader = DataLoader(data, batch_size=4, sampler=chosen, shuffle=chosen is None)
+        if kind == "batches":
+            loader = DataLoader(data, batch_sampler=chosen)
+        else:
+            loader = DataLoader(data, batch_size=4, sampler=chosen, shuffle=chosen is None)
         for epoch in range(2):
             for x, y in loader:
                 optimizer.zero_grad()
@@ -78,7 +109,7 @@ with open(f"{sys.argv[1]}.{rank}", "w") as f:
 
 KINDS = (
     "shuffle,shuffle-generator,replacement,replacement-generator,num-samples-generator,"
-    "subset,subset-generator,weighted,weighted-generator"
+    "subset,subset-generator,weighted,weighted-generator,buckets,batches"
 )
 
 
@@ -94,3 +125,59 @@ def test_the_streams_after_every_pass_are_one_processs_for_every_sampler_kind(tm
         seen = json.loads((tmp_path / f"seen.{rank}").read_text())
         for key, expected in reference.items():
             assert seen[key] == expected, (rank, key)
+
+
+WORKERS_SCRIPT = r"""
+import json, os, random, sys
+import numpy
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+class Augmented(Dataset):
+    "Each sample is the augmentation its worker draws: torch's, random's and NumPy's."
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return torch.tensor([torch.rand(1).item(), random.random(), float(numpy.random.rand())])
+
+
+def seed_worker(worker_id):  # torch's reproducibility recipe
+    seed = torch.initial_seed() % 2**32
+    numpy.random.seed(seed)
+    random.seed(seed)
+
+
+torch.manual_seed(0)
+model = torch.nn.Linear(3, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+loader = DataLoader(Augmented(), batch_size=4, shuffle=True, num_workers=1,
+                    worker_init_fn=seed_worker, generator=torch.Generator().manual_seed(0))
+drawn = []
+for epoch in range(2):
+    for batch in loader:
+        drawn += sorted(batch.tolist())
+        optimizer.zero_grad()
+        model(batch).sum().backward()
+        optimizer.step()
+after = torch.rand(1).item()
+with open(f"{sys.argv[1]}.{os.environ.get('RANK', 'one')}", "w") as f:
+    json.dump({"drawn": drawn, "after": after}, f)
+"""
+
+
+def test_dataloader_workers_augment_differently_on_every_rank(tmp_path):
+    script = write(tmp_path / "augment.py", WORKERS_SCRIPT)
+    out = str(tmp_path / "drawn")
+    one = run_python([str(script), out])
+    assert one.returncode == 0, one.stderr
+    result = run_python(["-m", "autoddp.cli", "-n", "2", str(script), out])
+    assert result.returncode == 0, result.stderr
+    reference = json.loads((tmp_path / "drawn.one").read_text())
+    rank0, rank1 = (json.loads((tmp_path / f"drawn.{rank}").read_text()) for rank in (0, 1))
+    one_process = set(map(tuple, reference["drawn"]))
+    assert set(map(tuple, rank0["drawn"])) <= one_process  # rank 0's workers are one process's
+    assert not set(map(tuple, rank1["drawn"])) & set(map(tuple, rank0["drawn"]))  # rank 1's its own
+    assert rank0["after"] == rank1["after"] == reference["after"]

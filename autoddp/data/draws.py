@@ -12,14 +12,22 @@ augmentations must differ.
 
 from __future__ import annotations
 
+import copy
 import random
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
+from torch.utils.data import (
+    Dataset,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
+from autoddp import _warn
 from autoddp.worker import streams
 
 #: torch's samplers whose ``__iter__`` only draws and yields (it changes nothing of the sampler),
@@ -34,20 +42,51 @@ class OneProcessDraws:
     takes one process's k-th from a pass over ``sampler`` made on the user's streams (its first
     draws as the pass begins, lazy ones as one process's loop reaches them, so a loop left after N
     steps has drawn what one process's N steps draw); when the rank's share ends, the rest of that
-    pass is taken too, as one process's loop takes the whole pass.
+    pass is taken too, as one process's loop takes the whole pass. torch's random samplers change
+    nothing of themselves in a pass and are passed over again; a sampler of the user's may (a
+    bucket list shuffled in place), so each pass is made over a copy of it, which shares only its
+    ``generator`` and its data with it: the sampler the order is drawn from stays as it was.
     """
 
     def __init__(self, sampler: Any) -> None:
         self.sampler = sampler
+        self.replays_itself = type(sampler) in _REPLAYABLE
 
-    @staticmethod
-    def replayable(sampler: Any) -> bool:
-        """True for a sampler whose pass can be made a second time without changing it."""
-        return type(sampler) in _REPLAYABLE
+    @classmethod
+    def of(cls, sampler: Any) -> OneProcessDraws | None:
+        """The draws of ``sampler``'s passes, or None for one that draws nothing (in order).
+
+        A sampler that cannot be copied is said at once: its passes draw nothing from the user's
+        streams here, where one process's would.
+        """
+        if sampler is None or type(sampler) is SequentialSampler:
+            return None
+        draws = cls(sampler)
+        if not draws.replays_itself:
+            try:
+                draws._copy()
+            except Exception as error:  # deepcopy raises whatever the object's parts raise
+                _warn.warn(
+                    f"autoddp cannot copy this {type(sampler).__name__} ({type(error).__name__}: "
+                    f"{error}) to make the random draws one process's pass over it makes: after a "
+                    "pass, torch's, random's and NumPy's streams differ from one process's. Seed "
+                    "before what you draw after a pass (torch.manual_seed), or give the sampler "
+                    "a generator= of its own"
+                )
+                return None
+        return draws
+
+    def _copy(self) -> Any:
+        shared: dict[int, Any] = {}
+        own = getattr(self.sampler, "__dict__", {})
+        for value in [getattr(self.sampler, "generator", None), *own.values()]:
+            if isinstance(value, torch.Generator | torch.Tensor | Dataset):
+                shared[id(value)] = value
+        return copy.deepcopy(self.sampler, shared)
 
     def follow(self, items: Iterator[Any]) -> Iterator[Any]:
         """``items`` unchanged, with one process's draws made on the user's streams beside them."""
-        shadow = iter(self.sampler)
+        shadow = iter(self.sampler if self.replays_itself else self._copy())
         for item in items:
             next(shadow, None)
             yield item

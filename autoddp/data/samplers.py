@@ -42,7 +42,7 @@ class AutoEpochSampler(DistributedSampler):
             drop_last=False,
         )
         self._next_epoch = 0
-        self.one_process = _replay(original)
+        self.one_process = OneProcessDraws.of(original)
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next pass; later passes continue from it."""
@@ -56,10 +56,6 @@ class AutoEpochSampler(DistributedSampler):
     def __iter__(self) -> Iterator[Any]:
         self._begin_pass()
         yield from _beside(self.one_process, super().__iter__())
-
-
-def _replay(original: Any) -> OneProcessDraws | None:
-    return OneProcessDraws(original) if OneProcessDraws.replayable(original) else None
 
 
 def _beside(one_process: OneProcessDraws | None, items: Iterator[Any]) -> Iterator[Any]:
@@ -95,7 +91,7 @@ class ShardedSampler(AutoEpochSampler):
         self.seed = seed
         self.shuffle = False
         self.drop_last = False
-        self.one_process = _replay(sampler)
+        self.one_process = OneProcessDraws.of(sampler)
 
     @property
     def num_samples(self) -> int:
