@@ -13,6 +13,7 @@ augmentations must differ.
 from __future__ import annotations
 
 import copy
+import itertools
 import random
 import sys
 from collections.abc import Callable, Iterator
@@ -84,13 +85,17 @@ class OneProcessDraws:
                 shared[id(value)] = value
         return copy.deepcopy(self.sampler, shared)
 
-    def follow(self, items: Iterator[Any]) -> Iterator[Any]:
-        """``items`` unchanged, with one process's draws made on the user's streams beside them."""
+    def follow(self, items: Iterator[Any], world_size: int) -> Iterator[Any]:
+        """``items`` (this rank's share of ``world_size``) unchanged, with one process's draws made
+        on the user's streams beside them. The rest of one process's pass is at most the other
+        ranks' shares (a copy that would run on for ever is never waited for)."""
         shadow = iter(self.sampler if self.replays_itself else self._copy())
+        taken = 0
         for item in items:
             next(shadow, None)
+            taken += 1
             yield item
-        for _ in shadow:
+        for _ in itertools.islice(shadow, taken * (world_size - 1) + world_size):
             pass
 
 

@@ -55,12 +55,12 @@ class AutoEpochSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[Any]:
         self._begin_pass()
-        yield from _beside(self.one_process, super().__iter__())
+        yield from _beside(self.one_process, super().__iter__(), self.num_replicas)
 
 
-def _beside(one_process: OneProcessDraws | None, items: Iterator[Any]) -> Iterator[Any]:
+def _beside(one_process: OneProcessDraws | None, items: Iterator[Any], world_size: int) -> Iterator[Any]:
     """``items``, with one process's draws made on the user's streams beside them when known."""
-    return items if one_process is None else one_process.follow(items)
+    return items if one_process is None else one_process.follow(items, world_size)
 
 
 class ShardedSampler(AutoEpochSampler):
@@ -109,7 +109,7 @@ class ShardedSampler(AutoEpochSampler):
         self._begin_pass()
         private = streams.Private((self.seed + self.epoch) % 2**64)
         parts = _parts(self.sampler, private, self.CHUNK * self.num_replicas)
-        yield from _beside(self.one_process, _share(parts, self.rank, self.num_replicas))
+        yield from _beside(self.one_process, _share(parts, self.rank, self.num_replicas), self.num_replicas)
 
 
 def _parts(sampler: Any, private: streams.Private, size: int) -> Iterator[list[Any]]:
