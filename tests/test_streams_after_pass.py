@@ -181,3 +181,41 @@ def test_dataloader_workers_augment_differently_on_every_rank(tmp_path):
     assert set(map(tuple, rank0["drawn"])) <= one_process  # rank 0's workers are one process's
     assert not set(map(tuple, rank1["drawn"])) & set(map(tuple, rank0["drawn"]))  # rank 1's its own
     assert rank0["after"] == rank1["after"] == reference["after"]
+
+
+UNCOPYABLE_SCRIPT = r"""
+import threading
+import torch
+from torch.utils.data import DataLoader, Sampler, TensorDataset
+
+
+class Locked(Sampler):
+    "A sampler holding a lock: it cannot be copied."
+
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def __len__(self):
+        return 8
+
+    def __iter__(self):
+        return iter(torch.randperm(8).tolist())
+
+
+torch.manual_seed(0)
+model = torch.nn.Linear(1, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for (x,) in DataLoader(TensorDataset(torch.randn(8, 1)), batch_size=2, sampler=Locked()):
+    optimizer.zero_grad()
+    model(x).sum().backward()
+    optimizer.step()
+"""
+
+
+def test_a_sampler_that_cannot_be_copied_is_said_at_the_loop(tmp_path):
+    script = write(tmp_path / "locked.py", UNCOPYABLE_SCRIPT)
+    result = run_python(["-m", "autoddp.cli", "-n", "2", str(script)])
+    assert result.returncode == 0, result.stderr
+    assert "cannot copy this Locked" in result.stderr
+    assert "locked.py:23: UserWarning" in result.stderr  # at the loop's line
+    assert "copy.deepcopy(sampler) must work" in result.stderr

@@ -70,9 +70,9 @@ class OneProcessDraws:
                 _warn.warn(
                     f"autoddp cannot copy this {type(sampler).__name__} ({type(error).__name__}: "
                     f"{error}) to make the random draws one process's pass over it makes: after a "
-                    "pass, torch's, random's and NumPy's streams differ from one process's. Seed "
-                    "before what you draw after a pass (torch.manual_seed), or give the sampler "
-                    "a generator= of its own"
+                    "pass, torch's, random's and NumPy's streams differ from one process's. Make "
+                    "it copyable (copy.deepcopy(sampler) must work: keep the lock or handle out "
+                    "of it, or define __deepcopy__), or seed before what you draw after a pass"
                 )
                 return None
         return draws
