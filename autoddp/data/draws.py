@@ -12,6 +12,7 @@ augmentations must differ.
 
 from __future__ import annotations
 
+import collections
 import copy
 import itertools
 import random
@@ -77,6 +78,14 @@ class OneProcessDraws:
                 return None
         return draws
 
+    def _all_at_start(self) -> bool:
+        """True for torch's samplers that draw a whole pass before its first item: ``RandomSampler``
+        without a generator (one seed from torch's, then a generator of its own),
+        ``SubsetRandomSampler`` and ``WeightedRandomSampler``."""
+        if type(self.sampler) is RandomSampler:
+            return self.sampler.generator is None
+        return self.replays_itself
+
     def _copy(self) -> Any:
         shared: dict[int, Any] = {}
         own = getattr(self.sampler, "__dict__", {})
@@ -89,14 +98,20 @@ class OneProcessDraws:
         """``items`` (this rank's share of ``world_size``) unchanged, with one process's draws made
         on the user's streams beside them. The rest of one process's pass is at most the other
         ranks' shares (a copy that would run on for ever is never waited for)."""
-        shadow = iter(self.sampler if self.replays_itself else self._copy())
+        shadow, items = iter(self.sampler if self.replays_itself else self._copy()), iter(items)
+        if self._all_at_start():  # one process's first item made every draw its pass makes
+            for item in items:
+                next(shadow, None)
+                yield item
+                break
+            yield from items
+            return
         taken = 0
         for item in items:
             next(shadow, None)
             taken += 1
             yield item
-        for _ in itertools.islice(shadow, taken * (world_size - 1) + world_size):
-            pass
+        collections.deque(itertools.islice(shadow, taken * (world_size - 1) + world_size), maxlen=0)
 
 
 class RankSeeded:
