@@ -88,10 +88,10 @@ class OneProcessDraws:
 
     def _copy(self) -> Any:
         shared: dict[int, Any] = {}
-        own = getattr(self.sampler, "__dict__", {})
-        for value in [getattr(self.sampler, "generator", None), *own.values()]:
-            if isinstance(value, torch.Generator | torch.Tensor | Dataset):
-                shared[id(value)] = value
+        generator = getattr(self.sampler, "generator", None)
+        if isinstance(generator, torch.Generator):  # the one the order is not drawn from (Private's)
+            shared[id(generator)] = generator
+        _data_in(self.sampler, shared, depth=3)
         return copy.deepcopy(self.sampler, shared)
 
     def follow(self, items: Iterator[Any], world_size: int) -> Iterator[Any]:
@@ -112,6 +112,18 @@ class OneProcessDraws:
             taken += 1
             yield item
         collections.deque(itertools.islice(shadow, taken * (world_size - 1) + world_size), maxlen=0)
+
+
+def _data_in(owner: Any, shared: dict[int, Any], depth: int) -> None:
+    """Put the data ``owner`` holds (data sets, tensors, arrays, a few attributes deep) in ``shared``:
+    a copy of the sampler refers to them rather than copying them at every pass."""
+    numpy = sys.modules.get("numpy")
+    data = (Dataset, torch.Tensor, numpy.ndarray) if numpy is not None else (Dataset, torch.Tensor)
+    for value in getattr(owner, "__dict__", {}).values():
+        if isinstance(value, data):
+            shared[id(value)] = value
+        elif depth > 1 and hasattr(value, "__dict__") and not isinstance(value, type):
+            _data_in(value, shared, depth - 1)
 
 
 class RankSeeded:
