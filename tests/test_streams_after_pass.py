@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import json
 
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import autoddp
 from conftest import run_python, write
 
 SCRIPT = r"""
@@ -219,3 +223,27 @@ def test_a_sampler_that_cannot_be_copied_is_said_at_the_loop(tmp_path):
     assert "cannot copy this Locked" in result.stderr
     assert "locked.py:23: UserWarning" in result.stderr  # at the loop's line
     assert "copy.deepcopy(sampler) must work" in result.stderr
+
+
+def _folds():
+    """k-fold in a function: a model per fold, the global generator after each fold's epoch."""
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(20, 3), torch.randn(20, 1))
+    seen = []
+    for _ in range(3):
+        model = torch.nn.Linear(3, 1)
+        seen.append(model.weight.tolist())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in DataLoader(data, batch_size=4, shuffle=True):
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+        seen.append(torch.rand(1).item())
+    return seen
+
+
+_folds_on_two = autoddp.distributed(nproc=2)(_folds)
+
+
+def test_k_fold_in_a_decorated_function_makes_one_processs_models():
+    assert _folds_on_two() == _folds()
