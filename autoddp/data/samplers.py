@@ -73,7 +73,8 @@ class ShardedSampler(AutoEpochSampler):
     its ``generator`` attribute, if it has one, torch's global CPU generator, Python's ``random``
     and NumPy's global state, all seeded from the shared seed and the epoch), swapped in for the
     part and out after it: all ranks draw the same order whatever the user's code draws between
-    batches, and that code keeps its own streams. Each rank keeps the items at its positions of
+    batches, and that code's streams move only by the draws one process's sampler makes on them
+    (``draws.OneProcessDraws``, beside the pass). Each rank keeps the items at its positions of
     the order; at the end of the order it is padded by repeating the order's start, as
     DistributedSampler pads, so every rank gets the same number of items. Wrapping a batch sampler
     shards whole batches.
