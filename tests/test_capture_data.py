@@ -67,6 +67,7 @@ def _huge_sampler():
         seen += next(batches).tolist()
         draws.append(torch.rand(1).item())  # the user's own draws between batches (dropout, noise)
     torch.set_rng_state(state)
+    torch.empty((), dtype=torch.int64).random_()  # as one process's RandomSampler: its seed
     replay = [torch.rand(1).item() for _ in range(STEPS)]
     return {"len": length, "seen": _all(seen), "own_stream": draws == replay, "seed": loader.sampler.seed}
 
@@ -81,7 +82,7 @@ def test_a_huge_sampler_is_streamed_and_shared_out_by_position():
         Indices(10), replacement=True, num_samples=HUGE, generator=torch.Generator().manual_seed(out["seed"])
     )
     assert _interleave(shares) == list(itertools.islice(reference, 2 * STEPS * 4))
-    assert out["own_stream"]  # the user's draws between batches continue the user's own stream
+    assert out["own_stream"]  # the user's stream: one process's sampler's draw, then the user's draws
 
 
 class Forever(Sampler):
@@ -206,7 +207,8 @@ def _own_sampler():
         for batch in batches:
             order += batch.tolist()
             draws.append(random.random())
-        random.setstate(state)  # replay: the dataset's 4 draws, then the step's, per batch
+        random.setstate(state)  # replay: one process's sampler shuffles 5 buckets, then per batch
+        random.shuffle([None] * 5)  # the dataset's 4 draws and the step's
         replay = [[random.random() for _ in range(5)] for _ in range(5)]
         own.append(replay == [[*data.draws[4 * b : 4 * b + 4], draws[b]] for b in range(5)])
         data.draws.clear()
@@ -220,7 +222,7 @@ def test_a_sampler_shuffling_with_random_and_numpy_is_split_disjointly():
     for epoch in range(3):
         assert sorted(rank0[epoch] + rank1[epoch]) == list(range(40))  # none unseen, none twice
     assert len({tuple(_interleave([rank0[e], rank1[e]])) for e in range(3)}) == 3  # reshuffled
-    assert out["own"] == [True] * 3  # the user's random stream is the user's alone
+    assert out["own"] == [True] * 3  # the user's random stream advances as one process's
 
 
 # -- 4. a DataLoader made anew every epoch reshuffles, as in one process -------------------------

@@ -24,6 +24,7 @@ from torch.utils.data import (
 from torch.utils.data.distributed import DistributedSampler
 
 from autoddp import _compat, _warn
+from autoddp.data import draws
 from autoddp.data.samplers import AutoEpochSampler, ShardedSampler
 from autoddp.errors import ConfigurationError
 from autoddp.state import CURRENT, World
@@ -110,6 +111,7 @@ def shard_loader(
 
     if isinstance(new_batch_sampler, BatchSampler):
         _refuse_no_batch(source, new_batch_sampler, world)
+    draws.seed_workers_by_rank(loader, world.rank)
     if _compat.loader_iterator(loader) is None:
         # DataLoader.__setattr__ refuses these names after __init__; nothing else holds them yet.
         object.__setattr__(loader, "sampler", new_sampler)
@@ -155,6 +157,7 @@ def _shard_wrapped(loader: DataLoader, inner: BatchSampler, world: World, seed: 
     sampler = _distribute(inner.sampler, world, seed)
     _refuse_no_batch(inner.sampler, BatchSampler(sampler, inner.batch_size, inner.drop_last), world)
     inner.sampler = sampler  # DataLoader's own object, made for this loader: every iterator sees it
+    draws.seed_workers_by_rank(loader, world.rank)
     object.__setattr__(loader, "sampler", sampler)
     return loader
 
@@ -251,7 +254,7 @@ def _distribute(sampler: Any, world: World, seed: int) -> DistributedSampler:
         and not sampler.replacement
         and sampler.num_samples == len(sampler.data_source)
     ):
-        return AutoEpochSampler(sampler.data_source, world=world, shuffle=True, seed=seed)
+        return AutoEpochSampler(sampler.data_source, world=world, shuffle=True, seed=seed, original=sampler)
     return ShardedSampler(sampler, world=world, seed=seed)
 
 
@@ -265,18 +268,20 @@ def user_seed(loader: DataLoader, number: int = 0) -> int:
 
 
 def _user_seed(loader: DataLoader, sampler: Any, number: int = 0) -> int:
-    """The seed the user chose: a draw from the sampler's or loader's generator, else torch's seed.
+    """The seed the user chose: the next draw of the sampler's or loader's generator, else torch's seed.
 
     As in one process: a generator the user passed decides the order, so a fresh one seeded alike
-    repeats it, and one reused by the loaders of later epochs moves on (one draw from it per
-    loader). Without one, one process's RandomSampler draws a new seed from the global generator
-    at every pass, which differs between ranks here, so the ``number``-th loader of the run (a
-    loader made anew every epoch) gets its own seed derived from the user's. In a worker autoddp
-    seeded (``autoddp.worker.streams``), torch's seed is the caller's unless the function set its own.
+    repeats it, and one reused by the loaders of later epochs moves on (by one process's draws:
+    the generator is read from a copy, never drawn from here). Without one, the ``number``-th
+    loader of the run (a loader made anew every epoch) gets its own seed derived from torch's. In
+    a worker autoddp seeded (``autoddp.worker.streams``), torch's seed is the caller's unless the
+    function set its own.
     """
     for generator in (getattr(sampler, "generator", None), loader.generator):
         if isinstance(generator, torch.Generator):
-            draw = torch.empty((), dtype=torch.int64, device=generator.device).random_(generator=generator)
+            copy = torch.Generator(device=generator.device)
+            copy.set_state(generator.get_state())
+            draw = torch.empty((), dtype=torch.int64, device=generator.device).random_(generator=copy)
             return int(draw.item()) % _SEED_RANGE
     seed = torch.initial_seed()
     if CURRENT.seeds is not None and seed == CURRENT.seeds[0]:

@@ -15,6 +15,7 @@ from typing import Any
 
 from torch.utils.data.distributed import DistributedSampler
 
+from autoddp.data.draws import OneProcessDraws
 from autoddp.state import World
 from autoddp.worker import streams
 
@@ -30,9 +31,11 @@ class AutoEpochSampler(DistributedSampler):
     Its sizes follow the data set's length as it is at every pass and every ``len()``, as one
     process's samplers do (a data set that grows or shrinks between epochs: curriculum, active
     learning); torch's DistributedSampler keeps the length it had when made.
+    ``original``: the sampler one process would iterate; the draws its pass makes on the user's
+    streams are made beside each pass (``draws.OneProcessDraws``), when it can be replayed.
     """
 
-    def __init__(self, source: Any, *, world: World, shuffle: bool, seed: int) -> None:
+    def __init__(self, source: Any, *, world: World, shuffle: bool, seed: int, original: Any = None) -> None:
         # Not DistributedSampler.__init__: it stores the sizes (properties here) from len(source).
         self.dataset = source
         self.num_replicas = world.world_size
@@ -42,6 +45,7 @@ class AutoEpochSampler(DistributedSampler):
         self.seed = seed
         self.shuffle = shuffle
         self.drop_last = False
+        self.one_process = OneProcessDraws.of(original)
 
     @property
     def num_samples(self) -> int:
@@ -67,7 +71,12 @@ class AutoEpochSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[Any]:
         self._begin_pass()
-        yield from super().__iter__()
+        yield from _beside(self.one_process, super().__iter__(), self.num_replicas)
+
+
+def _beside(one_process: OneProcessDraws | None, items: Iterator[Any], world_size: int) -> Iterator[Any]:
+    """``items``, with one process's draws made on the user's streams beside them when known."""
+    return items if one_process is None else one_process.follow(items, world_size)
 
 
 class ShardedSampler(AutoEpochSampler):
@@ -80,7 +89,8 @@ class ShardedSampler(AutoEpochSampler):
     its ``generator`` attribute, if it has one, torch's global CPU generator, Python's ``random``
     and NumPy's global state, all seeded from the shared seed and the epoch), swapped in for the
     part and out after it: all ranks draw the same order whatever the user's code draws between
-    batches, and that code keeps its own streams. Each rank keeps the items at its positions of
+    batches, and that code's streams move only by the draws one process's sampler makes on them
+    (``draws.OneProcessDraws``, beside the pass). Each rank keeps the items at its positions of
     the order; at the end of the order it is padded by repeating the order's start, as
     DistributedSampler pads, so every rank gets the same number of items. Wrapping a batch sampler
     shards whole batches.
@@ -92,12 +102,13 @@ class ShardedSampler(AutoEpochSampler):
         # The sizes are read from len(sampler) when asked: an endless sampler has none.
         super().__init__(sampler, world=world, shuffle=False, seed=seed)
         self.sampler = sampler
+        self.one_process = OneProcessDraws.of(sampler)
 
     def __iter__(self) -> Iterator[Any]:
         self._begin_pass()
         private = streams.Private((self.seed + self.epoch) % 2**64)
         parts = _parts(self.sampler, private, self.CHUNK * self.num_replicas)
-        yield from _share(parts, self.rank, self.num_replicas)
+        yield from _beside(self.one_process, _share(parts, self.rank, self.num_replicas), self.num_replicas)
 
 
 def _parts(sampler: Any, private: streams.Private, size: int) -> Iterator[list[Any]]:

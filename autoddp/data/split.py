@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader
 
 from autoddp import _compat
+from autoddp.data import draws
 from autoddp.errors import ConfigurationError
 from autoddp.models import _class_swap
 from autoddp.state import CURRENT, World
@@ -177,6 +178,7 @@ def split_loader(loader: DataLoader, world: World) -> DataLoader:
             f"at least {world.world_size} (it is the global batch), or fewer processes (-n {size})"
         )
     split = SplitBatches(batches, world)
+    draws.seed_workers_by_rank(loader, world.rank)
     object.__setattr__(loader, "batch_sampler", split)
     persistent = _compat.loader_iterator(loader)
     if persistent is not None:  # persistent workers already started: their iterator takes it too
