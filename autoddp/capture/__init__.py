@@ -141,7 +141,7 @@ class Session:
             self.notice = Notice(self._world.rank, self._world.world_size)
         if self.saves is None:
             here = self._world
-            self.saves = Saves(here.rank, here.local_rank, here.world_size, here.local_world_size)
+            self.saves = Saves(here.rank, here.world_size)
         return self._world
 
     # --- the hooks ----------------------------------------------------------------------------
