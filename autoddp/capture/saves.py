@@ -2,24 +2,23 @@
 
 Saves are matched across ranks exactly, by no timing rule: each rank counts its own saves of each
 file (the path resolved through symlinks), and rank 0 publishes the outcome of its k-th save of a
-file in the process group's store (done, or the exception it raised), with where it happened: the
+file in the process group's store (done, or the exception it raised) with where it happened: the
 number of collectives it had issued (the same on every rank at the same point of the program).
-Rank 0 writes atomically (a temporary file beside the target, renamed over it; a symlink keeps
-pointing at its target, which gets the new content) and never waits for anyone, so
-``if rank == 0: torch.save(...)`` works as written. Another rank's save of that file waits for
-rank 0's matching one and returns once it is complete, or raises rank 0's exception:
+Another rank's save of that file waits for rank 0's matching one and returns once it is complete,
+or raises rank 0's exception:
 
 - rank 0's k-th save at the same point: that is this save (saves at one point pair in order);
 - at an earlier point: rank 0 saved the file alone there; the next one is looked at;
-- at a later point, or none while rank 0 has issued a collective this rank has not reached (each
-  rank publishes its count of collectives from a thread) or has finished: rank 0 made no such
+- at a later point, or none while rank 0 has issued a collective this rank has not reached (a
+  thread of each rank publishes its count of collectives) or has finished: rank 0 made no such
   save here. A file rank 0 saved before stays rank 0's (a rank-dependent ``if loss < best:``
   writes nothing); any other file is this rank's own (per-rank files).
 
-A file object every rank opened on the same path (``with open(path, "wb") as f: torch.save(sd,
-f)``) is the same save: rank 0 renames its complete file over the path only once the others have
-opened it (or gone on, as above, or ``OPEN_SECONDS`` passed), so that no rank's ``open``
-truncates it afterwards; a rank whose ``open`` came later and emptied it puts its own copy there.
+Rank 0 writes atomically (a temporary file beside the target, renamed over it; a symlink keeps
+pointing at its target) and renames only once every other rank has reached the matching save
+(after its ``open``, for a file object every rank opened), gone past that point, or waits for
+rank 0 further on (``rank_zero.block.waits_ahead``): no rank reads a newer file before its own
+save of it nor truncates the new one, and ``if rank == 0: torch.save(...)`` never deadlocks.
 """
 
 from __future__ import annotations
@@ -42,8 +41,6 @@ from autoddp.state import CURRENT
 
 _PREFIX = "autoddp/torch.save/"
 _FINISHED = f"{_PREFIX}finished"
-#: How long rank 0 waits for the others to open the path of a file-object save.
-OPEN_SECONDS = 2.0
 _POLL_SECONDS = 0.01
 
 RANK0_WRITES = "written once, by rank 0"
