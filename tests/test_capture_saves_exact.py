@@ -8,6 +8,7 @@ Real 2-process gloo runs of unchanged code, the command and the decorator alike.
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -92,3 +93,31 @@ def test_a_save_onto_a_symlink_writes_its_target(tmp_path):
     assert _save_through_link(str(link)) == {"step": 7}
     assert link.is_symlink() and os.readlink(link) == str(target)  # a file replaced the link before
     assert torch.load(target) == {"step": 7}
+
+
+# --- item 6: files other than torch.save that every rank wrote are named, with the fix ----------
+
+SHARED_FILES = """
+    import csv, json, logging, pickle, torch
+    import numpy as np
+    logging.basicConfig(filename="train.log", filemode="w", level=logging.INFO)
+    torch.save({"step": 0}, "best.pt")  # capture's own: written once, not named
+    logging.info("step 0")
+    with open("predictions.csv", "w", newline="") as f:
+        csv.writer(f).writerow(["id", "label"])
+    np.save("scores.npy", np.zeros(3))
+    with open("metrics.json", "w") as f:
+        json.dump({"loss": 1.0}, f)
+    with open("own%d.pkl" % torch.distributed.get_rank(), "wb") as f:  # a file per rank: fine
+        pickle.dump(1, f)
+    print("DONE", flush=True)
+"""
+
+
+def test_files_every_rank_wrote_are_named_with_the_fix(tmp_path):
+    script = write(tmp_path / "writes.py", SHARED_FILES)
+    ran = run_python(["-m", "autoddp.cli", "-n", "2", str(script)], cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    named = set(re.findall(r"autoddp: +(\S+) \(writes\.py:\d+\): every rank wrote it", ran.stderr))
+    assert named == {"train.log", "predictions.csv", "scores.npy", "metrics.json"}, ran.stderr  # silent
+    assert "if autoddp.rank() == 0" in ran.stderr and "autoddp.rank()}" in ran.stderr

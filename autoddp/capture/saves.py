@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from autoddp import _compat
+from autoddp import _compat, models
 from autoddp.checkpoint.files import atomic_write
 from autoddp.errors import Rank0Error
 from autoddp.hang import record
@@ -153,7 +153,7 @@ class Saves:
                             raise error
                         return RANK0_WRITES
                     break  # rank 0's next save of it comes at a later point: none here
-                if _gone_past(store, 0, point):
+                if gone_past(store, 0, point):
                     if store.check([key]):  # published before it went on
                         continue
                     break
@@ -178,7 +178,7 @@ class Saves:
         while waiting:
             for rank in list(waiting):
                 reached = store.check([f"{_PREFIX}save/{target}/{count}/reached/{rank}"])
-                if reached or _gone_past(store, rank, point) or waits_ahead(store, rank):
+                if reached or gone_past(store, rank, point) or waits_ahead(store, rank):
                     waiting.discard(rank)
             if waiting and time.monotonic() > deadline:
                 raise Rank0Error(
@@ -191,7 +191,7 @@ class Saves:
                 time.sleep(_POLL_SECONDS)
 
 
-def _gone_past(store: Any, rank: int, point: int) -> bool:
+def gone_past(store: Any, rank: int, point: int) -> bool:
     """True once ``rank`` has issued more than ``point`` collectives, or its code has ended."""
     if store.check([f"{_FINISHED}/{rank}"]):
         return True
@@ -225,6 +225,24 @@ def _read_outcome(value: bytes, where: str) -> tuple[int, BaseException | None]:
 def _described(error: BaseException) -> Rank0Error:
     kind = type(error).__qualname__
     return Rank0Error(f"torch.save failed on rank 0 with {kind}: {error}", type_name=kind, detail=str(error))
+
+
+def saving(session: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    """The ``torch.save`` capture's ``session`` installs over ``original``."""
+
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+        path = f if isinstance(f, (str, os.PathLike)) else opened_path(f)  # open(path, "wb") too
+        if session.busy or path is None:
+            return original(obj, f, *args, **kwargs)
+        with session._own_work():
+            session.world()
+            obj = models.full_tensors(obj)  # sharded (FSDP) state: gathered whole
+            what = session.saves.save(original, obj, path, args, kwargs, opened=None if path is f else f)
+        path = os.fspath(path)
+        session.notice.say(("save", os.path.abspath(path)), f"torch.save({path!r}): {what}")
+        return None
+
+    return save
 
 
 def opened_path(file: Any) -> str | None:
