@@ -36,7 +36,7 @@ from autoddp.checkpoint.files import atomic_write
 from autoddp.errors import Rank0Error
 from autoddp.hang import record
 from autoddp.hang.marks import MARKS
-from autoddp.rank_zero.block import waiting_for, waits_ahead
+from autoddp.rank_zero.block import WAITING_PREFIX, waiting_for, waits_ahead
 from autoddp.state import CURRENT
 
 _PREFIX = "autoddp/torch.save/"
@@ -54,6 +54,8 @@ class Progress:
 
     def __init__(self, store: Any, rank: int) -> None:
         self.store, self.key = store, f"{_PREFIX}point/{rank}"
+        store.set(self.key, str(_compat.collectives_issued()))  # this rank's keys exist from the join on
+        store.set(f"{WAITING_PREFIX}{rank}", "-")
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="autoddp-save-progress", daemon=True)
         self.thread.start()
