@@ -115,8 +115,10 @@ class Session:
         try:
             if self.saves is not None and self.shared_files is not None and self.notice is not None:
                 if self.ended_well:
-                    self.shared_files.report(set(self.saves.counts), self.notice.say)
+                    self.shared_files.publish()
                 self.saves.finish()  # rank 0's code has ended: no rank waits for its saves any more
+                if self.ended_well:
+                    self.shared_files.gather(set(self.saves.counts), self.notice.say)
             self.passes.write()
         finally:
             self._patches.restore()

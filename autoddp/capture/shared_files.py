@@ -25,6 +25,7 @@ import torch
 
 from autoddp import _compat, _frames
 from autoddp.capture.saves import gone_past
+from autoddp.rank_zero.block import waits_ahead
 from autoddp.state import CURRENT
 
 _PREFIX = "autoddp/shared_files/"
@@ -55,24 +56,28 @@ class SharedFiles:
         if site is not None:
             self.paths[real] = site
 
-    def report(self, own: set[str], say: Callable[[object, str], None]) -> None:
-        """Publish this rank's paths; on rank 0, ``say`` those several ranks wrote (``own``: paths
-        capture's ``torch.save`` wrote once)."""
-        store = _compat.default_store()
-        store.set(f"{_PREFIX}{self.rank}", json.dumps(self.paths))
+    def publish(self) -> None:
+        """Put this rank's paths in the store (before its saves say it has finished)."""
+        _compat.default_store().set(f"{_PREFIX}{self.rank}", json.dumps(self.paths))
+
+    def gather(self, own: set[str], say: Callable[[object, str], None]) -> None:
+        """On rank 0 (its saves finished, so no rank waits for it there): ``say`` each file several
+        ranks wrote (``own``: paths capture's ``torch.save`` wrote once)."""
         if self.rank != 0:
             return
+        store = _compat.default_store()
         point = _compat.collectives_issued()
         writers: dict[str, list[int]] = {path: [0] for path in self.paths if path not in own}
         waiting = set(range(1, self.world_size))
         while waiting:
             for rank in list(waiting):
-                if store.check([f"{_PREFIX}{rank}"]):
+                gone = gone_past(store, rank, point) or waits_ahead(store, rank)  # first: see below
+                if store.check([f"{_PREFIX}{rank}"]):  # (a rank publishes before it says finished)
                     for path in json.loads(store.get(f"{_PREFIX}{rank}")):
                         if path in writers:
                             writers[path].append(rank)
                     waiting.discard(rank)
-                elif gone_past(store, rank, point):
+                elif gone:
                     waiting.discard(rank)
             if waiting:
                 time.sleep(_POLL_SECONDS)
