@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+
 from autoddp import _compat, models
 from autoddp.checkpoint.files import atomic_write
 from autoddp.errors import Rank0Error
@@ -63,6 +65,8 @@ class Progress:
     def _run(self) -> None:
         published = -1
         while not self.stopping.wait(_POLL_SECONDS):
+            if not dist.is_initialized():  # the user's code destroyed the group: none follows
+                return
             try:
                 issued = _compat.collectives_issued()
                 if issued != published:
@@ -121,15 +125,14 @@ class Saves:
         return outcome
 
     def finish(self) -> None:
-        """This rank's user code has ended: no rank waits for a save of it any more."""
-        import torch.distributed as dist
-
+        """This rank's user code has ended: no rank waits for a save of it any more. Said through
+        the store kept since the join: a rank waiting for this one learns it even where the user's
+        code destroyed the group."""
         self.progress.stop()
-        if dist.is_initialized():
-            try:
-                _compat.default_store().set(f"{_FINISHED}/{self.rank}", "1")
-            except Exception:  # a group already torn down: nobody is waiting
-                return
+        try:
+            self.progress.store.set(f"{_FINISHED}/{self.rank}", "1")
+        except Exception:  # the store is gone with the run: nobody is waiting
+            return
 
     # --- another rank -------------------------------------------------------------------------
 

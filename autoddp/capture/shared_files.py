@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from autoddp import _compat, _frames
 from autoddp.capture.saves import gone_past
@@ -58,12 +59,14 @@ class SharedFiles:
 
     def publish(self) -> None:
         """Put this rank's paths in the store (before its saves say it has finished)."""
+        if not dist.is_initialized():  # the user's code destroyed the group: nothing to compare
+            return
         _compat.default_store().set(f"{_PREFIX}{self.rank}", json.dumps(self.paths))
 
     def gather(self, own: set[str], say: Callable[[object, str], None]) -> None:
         """On rank 0 (its saves finished, so no rank waits for it there): ``say`` each file several
         ranks wrote (``own``: paths capture's ``torch.save`` wrote once)."""
-        if self.rank != 0:
+        if self.rank != 0 or not dist.is_initialized():
             return
         store = _compat.default_store()
         point = _compat.collectives_issued()
