@@ -71,6 +71,8 @@ class Run:
         self.seeds: tuple[int, int] | None = None
         #: The capture session while the user's code runs with capture on (``autoddp.capture``).
         self.capture: Any = None
+        #: Whether this process has capture's audit hook (``capture.shared_files``: added once).
+        self.audit_hook = False
         #: Events that can have changed a wrapped model's parameters (``models.ddp``: checked per forward).
         self.parameter_events = 0
         #: Process groups autoddp initialised in this process: the n-th one's keys live under a store

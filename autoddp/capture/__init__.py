@@ -10,6 +10,7 @@ patches it installs and removes around that code only:
   iteration or length, an ordered one left whole; a pass that begins in an evaluation context
   gets all of a random loader (``loaders``);
 - ``torch.save`` to a path: written once, by rank 0, atomically (``saves``);
+- ``open`` for writing (an audit hook): the files several ranks wrote are named (``shared_files``);
 - ``DistributedDataParallel.__init__``: a user's own DDP takes over from autoddp's (never two);
 - ``torch.autograd.backward`` (its first call; each, and ``grad``, counted for ``models.counted``)
   and every optimizer step (global step hook): what could not be distributed is said (``_undistributed``);
@@ -22,7 +23,6 @@ In a script the process group is made at the first moment capture needs it (``jo
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -38,7 +38,8 @@ from autoddp.capture._notice import Notice, where
 from autoddp.capture._registry import DEPTH, Registry, user_site
 from autoddp.capture._undistributed import Undistributed, caller_site, candidate_roots, grad_versions
 from autoddp.capture.passes import Passes
-from autoddp.capture.saves import Saves, opened_path
+from autoddp.capture.saves import Saves, saving
+from autoddp.capture.shared_files import SharedFiles, install_hook
 from autoddp.data import split
 from autoddp.errors import ConfigurationError
 from autoddp.state import CURRENT, RunOptions, World
@@ -72,6 +73,8 @@ class Session:
         self.optimizers_made = 0  # by the user's code, in this session
         self.saves: Saves | None = None
         known = world or planned
+        self.shared_files = SharedFiles(known.rank, known.world_size) if known is not None else None
+        self.ended_well = False  # the user's code returned (set by the caller): files are compared
         self.undistributed = Undistributed(known.world_size if known is not None else 0)
         self.notice: Notice | None = None if planned is None else Notice(planned.rank, planned.world_size)
         self.passes = Passes()  # batches per pass of IterableDataset loaders: who ran out first
@@ -85,6 +88,7 @@ class Session:
         """Put the hooks in place; on an error, none of them stays."""
         CURRENT.capture = self
         try:
+            install_hook()
             self.registry.install()
             self.devices.install()
             patches = [
@@ -110,8 +114,12 @@ class Session:
     def uninstall(self) -> None:
         """Take the hooks out (idempotent): torch's attributes are as they were before ``install``."""
         try:
-            if self.saves is not None:
+            if self.saves is not None and self.shared_files is not None and self.notice is not None:
+                if self.ended_well:
+                    self.shared_files.publish()
                 self.saves.finish()  # rank 0's code has ended: no rank waits for its saves any more
+                if self.ended_well:
+                    self.shared_files.gather(set(self.saves.counts), self.notice.say)
             self.passes.write()
         finally:
             self._patches.restore()
@@ -142,7 +150,8 @@ class Session:
             self.notice = Notice(self._world.rank, self._world.world_size)
         if self.saves is None:
             here = self._world
-            self.saves = Saves(here.rank, here.local_rank, here.world_size, here.local_world_size)
+            self.saves = Saves(here.rank, here.world_size)
+            self.shared_files = self.shared_files or SharedFiles(here.rank, here.world_size)
         return self._world
 
     # --- the hooks ----------------------------------------------------------------------------
@@ -312,20 +321,7 @@ class Session:
         self.notice.say(("loader", id(loader)), line)
 
     def _save(self, original: Any) -> Any:
-        def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
-            path = f if isinstance(f, (str, os.PathLike)) else opened_path(f)  # open(path, "wb") too
-            if self.busy or path is None:
-                return original(obj, f, *args, **kwargs)
-            with self._own_work():
-                self.world()
-                assert self.saves is not None and self.notice is not None
-                obj = models.full_tensors(obj)  # sharded (FSDP) state: gathered whole
-                what = self.saves.save(original, obj, path, args, kwargs, opened=None if path is f else f)
-            path = os.fspath(path)
-            self.notice.say(("save", os.path.abspath(path)), f"torch.save({path!r}): {what}")
-            return None
-
-        return save
+        return saving(self, original)
 
     def _backward(self, original: Any) -> Any:
         def backward(*args: Any, **kwargs: Any) -> Any:
@@ -396,5 +392,6 @@ def capturing(options: RunOptions, world: World) -> Iterator[None]:
     session.install()
     try:
         yield
+        session.ended_well = True
     finally:
         session.uninstall()

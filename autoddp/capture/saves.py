@@ -1,46 +1,48 @@
 """``torch.save`` from every rank to one path: written once, by rank 0, and never torn.
 
-Every save is named by where it happens in the program: the number of collectives this rank has
-issued on the group (the same on every rank at the same point) and its order among the saves
-there. Rank 0 announces each of its saves in the process group's store under that name, writes
-the file atomically (a temporary file in the same folder, renamed over the path), then marks it
-done; it never waits for anyone, so ``if rank == 0: torch.save(...)`` works as written. Another
-rank saving a path waits for rank 0's save of that path at the same point, then returns once it
-is done: the file is complete on every rank when ``torch.save`` returns, first saves and
-repeated ones alike. When rank 0 has gone on without it (it made another save there, is blocked
-in a collective this rank is not in, or has finished), a path rank 0 saved before stays rank 0's
-(a rank-dependent ``if loss < best:`` writes nothing) and any other path is this rank's own
-(per-rank files). Where rank 0's progress cannot be seen (it runs on another machine, or waits in
-a collective torch makes in C++), the wait is bounded by ``SETTLE_SECONDS`` and says so.
+Saves are matched across ranks exactly, by no timing rule: each rank counts its own saves of each
+file (the path resolved through symlinks), and rank 0 publishes the outcome of its k-th save of a
+file in the process group's store (done, or the exception it raised) with where it happened: the
+number of collectives it had issued (the same on every rank at the same point of the program).
+Another rank's save of that file waits for rank 0's matching one and returns once it is complete,
+or raises rank 0's exception:
 
-A file object every rank opened on the same path (``with open(path, "wb") as f: torch.save(sd,
-f)``) is the same save of that path: rank 0 renames its complete file over the path only once the
-others have reached the save (or gone on, or ``OPEN_SECONDS`` passed), so that no rank's ``open``
-truncates it afterwards; a rank whose ``open`` came later and emptied it puts its own complete
-copy in place, atomically.
+- rank 0's k-th save at the same point: that is this save (saves at one point pair in order);
+- at an earlier point: rank 0 saved the file alone there; the next one is looked at;
+- at a later point, or none while rank 0 has issued a collective this rank has not reached (a
+  thread of each rank publishes its count of collectives) or has finished: rank 0 made no such
+  save here. A file rank 0 saved before stays rank 0's (a rank-dependent ``if loss < best:``
+  writes nothing); any other file is this rank's own (per-rank files).
+
+Rank 0 writes atomically (a temporary file beside the target, renamed over it; a symlink keeps
+pointing at its target) and renames only once every other rank has reached the matching save
+(after its ``open``, for a file object every rank opened), gone past that point, or waits for
+rank 0 further on (``rank_zero.block.waits_ahead``): no rank reads a newer file before its own
+save of it nor truncates the new one, and ``if rank == 0: torch.save(...)`` never deadlocks.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
+import pickle
 import stat
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from autoddp import _compat, _warn
+import torch.distributed as dist
+
+from autoddp import _compat, models
 from autoddp.checkpoint.files import atomic_write
+from autoddp.errors import Rank0Error
 from autoddp.hang import record
 from autoddp.hang.marks import MARKS
+from autoddp.rank_zero.block import WAITING_PREFIX, waiting_for, waits_ahead
+from autoddp.state import CURRENT
 
 _PREFIX = "autoddp/torch.save/"
 _FINISHED = f"{_PREFIX}finished"
-SETTLE_SECONDS = 10.0
-#: How long rank 0 waits for the others to open the path of a file-object save.
-OPEN_SECONDS = 2.0
-#: How long rank 0 must stay blocked in a collective before it counts as having gone on.
-BLOCKED_SECONDS = 0.5
 _POLL_SECONDS = 0.01
 
 RANK0_WRITES = "written once, by rank 0"
@@ -48,19 +50,43 @@ OWNED = "written by rank 0 only (rank 0 saved this path before; a save rank 0 do
 PER_RANK = "written by each rank (the paths differ)"
 
 
-class Saves:
-    """One process's ``torch.save`` calls in a run: naming them and the store protocol."""
+class Progress:
+    """A thread that publishes this rank's count of collectives issued whenever it changes: the
+    exact sign that a rank has gone past a point of the program (it may be blocked there)."""
 
-    def __init__(self, rank: int, local_rank: int, world_size: int, local_world_size: int) -> None:
+    def __init__(self, store: Any, rank: int) -> None:
+        self.store, self.key = store, f"{_PREFIX}point/{rank}"
+        store.set(self.key, str(_compat.collectives_issued()))  # this rank's keys exist from the join on
+        store.set(f"{WAITING_PREFIX}{rank}", "-")
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="autoddp-save-progress", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        published = -1
+        while not self.stopping.wait(_POLL_SECONDS):
+            if not dist.is_initialized():  # the user's code destroyed the group: none follows
+                return
+            try:
+                issued = _compat.collectives_issued()
+                if issued != published:
+                    self.store.set(self.key, str(issued))
+                    published = issued
+            except Exception:  # the user's code destroyed the group: no collective follows
+                return
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join()
+
+
+class Saves:
+    """One process's ``torch.save`` calls in a run: counting them per file and the store protocol."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
-        self.point = -1  # collectives issued at the last save, and the saves made there
-        self.at_point = 0
-        self.per_path: dict[str, int] = {}
-        self.warned: set[str] = set()
-        # the hang records, on rank 0's machine: they tell when a rank has gone on without a save
-        folder = os.environ.get(record.FOLDER_VARIABLE)
-        self.records = folder if folder and rank == local_rank else None
-        self.local_world_size = local_world_size
+        self.counts: dict[str, int] = {}  # per file: rank 0's saves made, another's next to match
+        self.progress = Progress(_compat.default_store(), rank)  # from the join on: others may wait
 
     def save(
         self,
@@ -73,23 +99,24 @@ class Saves:
     ) -> str:
         """Save ``obj`` to ``path`` (a file object ``opened`` on it: see above); returns what
         happened, for the notice."""
-        target = os.path.abspath(os.fspath(path))
-        name = self._name(target)
+        target = os.path.realpath(os.fspath(path))  # a symlink: its target is written
         store = _compat.default_store()
+        point = _compat.collectives_issued()
         where = f"torch.save to {os.path.basename(target)!r}"  # for the hang report
         if self.rank == 0:
-            wait = (lambda: self._wait_for_opens(store, name, target)) if opened is not None else None
-            store.set(f"{_PREFIX}at/{name}", target)
-            store.set(f"{_PREFIX}path/{target}/{self._path_name(target, name)}", name)
-            store.set(f"{_PREFIX}owned/{target}", "1")
-            with MARKS.marked(record.RUNS_RANK0, where):
-                atomic_write(target, lambda file: original(obj, file, *args, **kwargs), wait)
-            store.set(f"{_PREFIX}done/{name}", "1")
+            count = self.counts.get(target, 0)
+            self.counts[target] = count + 1
+            key = f"{_PREFIX}save/{target}/{count}"
+            try:
+                with MARKS.marked(record.RUNS_RANK0, where):
+                    wait = lambda: self._wait_for_others(store, target, count, point, where)  # noqa: E731
+                    atomic_write(target, lambda file: original(obj, file, *args, **kwargs), wait)
+            except Exception as error:
+                store.set(key, _outcome(point, error))
+                raise
+            store.set(key, _outcome(point, None))
             return RANK0_WRITES
-        if opened is not None:
-            store.set(f"{_PREFIX}opened/{name}/{self.rank}", "1")
-            store.set(f"{_PREFIX}opener/{target}/{self.rank}", "1")
-        outcome = self._follow(store, target, name, where)
+        outcome = self._follow(store, target, point, where)
         if outcome == PER_RANK and opened is not None:
             original(obj, opened, *args, **kwargs)  # its own file, opened by this rank alone
         elif outcome == PER_RANK or (opened is not None and _emptied(opened, target)):
@@ -98,98 +125,129 @@ class Saves:
         return outcome
 
     def finish(self) -> None:
-        """This rank's user code has ended: no rank waits for a save of it any more."""
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):  # a group already torn down: nobody is waiting
-                _compat.default_store().set(f"{_FINISHED}/{self.rank}", "1")
-
-    # --- naming -------------------------------------------------------------------------------
-
-    def _name(self, target: str) -> str:
-        point = _compat.collectives_issued()
-        if point != self.point:
-            self.point, self.at_point, self.per_path = point, 0, {}
-        name, self.at_point = f"{point}/{self.at_point}", self.at_point + 1
-        return name
-
-    def _path_name(self, target: str, name: str) -> str:
-        """This save's order among the saves of ``target`` at this point (counted on every rank)."""
-        count = self.per_path.get(target, 0)
-        self.per_path[target] = count + 1
-        return f"{name.split('/')[0]}/{count}"
+        """This rank's user code has ended: no rank waits for a save of it any more. Said through
+        the store kept since the join: a rank waiting for this one learns it even where the user's
+        code destroyed the group."""
+        self.progress.stop()
+        try:
+            self.progress.store.set(f"{_FINISHED}/{self.rank}", "1")
+        except Exception:  # the store is gone with the run: nobody is waiting
+            return
 
     # --- another rank -------------------------------------------------------------------------
 
-    def _follow(self, store: Any, target: str, name: str, where: str) -> str:
-        """Wait for rank 0's save of ``target`` here, or for rank 0 to go on without it."""
-        same = f"{_PREFIX}path/{target}/{self._path_name(target, name)}"
-        theirs, owned = f"{_PREFIX}at/{name}", f"{_PREFIX}owned/{target}"
-        deadline, seen = time.monotonic() + SETTLE_SECONDS, {}
-        while True:
-            if store.check([same]):
-                with MARKS.marked(record.WAITS_FOR_RANK0, where):
-                    store.wait([f"{_PREFIX}done/{store.get(same).decode()}"])
-                return RANK0_WRITES
-            is_owned = store.check([owned])
-            if not is_owned and store.check([theirs]) and store.get(theirs).decode() != target:
-                return PER_RANK  # rank 0 saved another path at this point: per-rank files
-            if store.check([f"{_FINISHED}/0"]) or self._went_on(0, seen):
-                return OWNED if is_owned else PER_RANK
-            if time.monotonic() > deadline:  # (a collective torch makes in C++ shows in no record)
-                self._say_gave_up(target, is_owned)
-                return OWNED if is_owned else PER_RANK
-            time.sleep(_POLL_SECONDS)
+    def _follow(self, store: Any, target: str, point: int, where: str) -> str:
+        """Find rank 0's save of ``target`` that matches this one (see the module's docstring)."""
+        count = self.counts.get(target, 0)
+        timeout = (CURRENT.timeout or store.timeout).total_seconds()
+        deadline = time.monotonic() + timeout
+        with MARKS.marked(record.WAITS_FOR_RANK0, where):
+            while True:
+                key = f"{_PREFIX}save/{target}/{count}"
+                store.set(f"{key}/reached/{self.rank}", "1")  # rank 0 may replace the file now
+                with waiting_for(store, self.rank, key):
+                    found = store.check([key])
+                if found:
+                    theirs, error = _read_outcome(store.get(key), where)
+                    if theirs < point:  # rank 0 saved it alone before this point
+                        count += 1
+                        continue
+                    if theirs == point:
+                        self.counts[target] = count + 1
+                        if error is not None:
+                            raise error
+                        return RANK0_WRITES
+                    break  # rank 0's next save of it comes at a later point: none here
+                if gone_past(store, 0, point):
+                    if store.check([key]):  # published before it went on
+                        continue
+                    break
+                if time.monotonic() > deadline:
+                    raise Rank0Error(
+                        f"rank {self.rank} waited {timeout:.0f} s (the process group's timeout) in {where} "
+                        "for rank 0 to save it at the same point or go on; save from every rank at the same "
+                        "point, or only on rank 0 (if dist.get_rank() == 0: torch.save(...))",
+                        type_name="TimeoutError",
+                    )
+                time.sleep(_POLL_SECONDS)
+        self.counts[target] = count
+        return OWNED if store.check([f"{_PREFIX}save/{target}/0"]) else PER_RANK
 
-    def _went_on(self, rank: int, seen: dict[int, tuple[int, float]]) -> bool:
-        """``rank`` has stayed in the same collective (one this rank is not in) for ``BLOCKED_SECONDS``
-        of this wait: it went on. Timed from this wait's first sight of it, not from the record's
-        entry time: a rank still leaving the collective this one just left shows an old one."""
-        if self.records is None or rank >= self.local_world_size:
-            return False  # not on this machine: its progress cannot be seen
-        now = record.read(record.record_path(self.records, rank))
-        if now is None or now.rank != rank or not now.in_collective:
-            seen.pop(rank, None)
-            return False
-        sequence, since = seen.setdefault(rank, (now.sequence, time.monotonic()))
-        if sequence != now.sequence:
-            seen[rank] = (now.sequence, time.monotonic())
-            return False
-        return time.monotonic() - since >= BLOCKED_SECONDS
-
-    def _wait_for_opens(self, store: Any, name: str, target: str) -> None:
-        """Rank 0, its file complete: wait until every other rank has opened the path for this
-        save (or gone on without it), so that none truncates the file once it is in place. Only
-        for ranks whose progress shows, or that opened this path before: an ``if rank == 0:``
-        save is not held up where nothing can tell that the others went on."""
-        visible = self.records is not None
-        waiting = {
-            rank
-            for rank in range(1, self.world_size)
-            if (visible and rank < self.local_world_size) or store.check([f"{_PREFIX}opener/{target}/{rank}"])
-        }
-        deadline, seen = time.monotonic() + OPEN_SECONDS, {}
+    def _wait_for_others(self, store: Any, target: str, count: int, point: int, where: str) -> None:
+        """Rank 0, its file complete: wait until every other rank has reached the matching save
+        (after its ``open``, for a file object), or gone past this point, or waits for rank 0
+        further on, so that no rank reads the new file before its own save of it nor truncates it."""
+        waiting = set(range(1, self.world_size))
+        timeout = (CURRENT.timeout or store.timeout).total_seconds()
+        deadline = time.monotonic() + timeout
         while waiting:
             for rank in list(waiting):
-                opened, finished = f"{_PREFIX}opened/{name}/{rank}", f"{_FINISHED}/{rank}"
-                if store.check([opened]) or store.check([finished]) or self._went_on(rank, seen):
+                reached = store.check([f"{_PREFIX}save/{target}/{count}/reached/{rank}"])
+                if reached or gone_past(store, rank, point) or waits_ahead(store, rank):
                     waiting.discard(rank)
             if waiting and time.monotonic() > deadline:
-                return  # a rank that opens it later puts its own complete copy in place (``save``)
-            time.sleep(_POLL_SECONDS)
+                raise Rank0Error(
+                    f"rank 0 waited {timeout:.0f} s (the process group's timeout) in {where} for rank(s) "
+                    f"{sorted(waiting)} to reach the same save or go on; save from every rank at the same "
+                    "point, or only on rank 0 (if dist.get_rank() == 0: torch.save(...))",
+                    type_name="TimeoutError",
+                )
+            if waiting:
+                time.sleep(_POLL_SECONDS)
 
-    def _say_gave_up(self, target: str, owned: bool) -> None:
-        if target in self.warned:
-            return
-        self.warned.add(target)
-        then = "wrote nothing (the file is rank 0's)" if owned else "wrote its own file"
-        _warn.warn(
-            f"rank {self.rank} waited {SETTLE_SECONDS:.0f} s in torch.save({os.path.basename(target)!r}) "
-            f"for rank 0 to save it at the same point, which rank 0 did not in that time, and {then}: "
-            "the file may not yet be complete when this torch.save returns. Save from every rank at "
-            "the same point, or only on rank 0 (if dist.get_rank() == 0: torch.save(...))"
-        )
+
+def gone_past(store: Any, rank: int, point: int) -> bool:
+    """True once ``rank`` has issued more than ``point`` collectives, or its code has ended."""
+    if store.check([f"{_FINISHED}/{rank}"]):
+        return True
+    key = f"{_PREFIX}point/{rank}"
+    return store.check([key]) and int(store.get(key)) > point
+
+
+def _outcome(point: int, error: BaseException | None) -> bytes:
+    """Rank 0's save as published: its point, then nothing (done) or the exception it raised."""
+    head = f"{point}\n".encode()
+    if error is None:
+        return head
+    try:
+        return head + pickle.dumps(error)
+    except Exception:
+        return head + pickle.dumps(_described(error))
+
+
+def _read_outcome(value: bytes, where: str) -> tuple[int, BaseException | None]:
+    """``_outcome`` read back: rank 0's point and its exception (itself, where it unpickles)."""
+    head, _, body = value.partition(b"\n")
+    if not body:
+        return int(head), None
+    try:
+        error = pickle.loads(body)
+    except Exception as unreadable:
+        error = Rank0Error(f"{where} failed on rank 0 with an exception this rank cannot read: {unreadable}")
+    return int(head), error
+
+
+def _described(error: BaseException) -> Rank0Error:
+    kind = type(error).__qualname__
+    return Rank0Error(f"torch.save failed on rank 0 with {kind}: {error}", type_name=kind, detail=str(error))
+
+
+def saving(session: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    """The ``torch.save`` capture's ``session`` installs over ``original``."""
+
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+        path = f if isinstance(f, (str, os.PathLike)) else opened_path(f)  # open(path, "wb") too
+        if session.busy or path is None:
+            return original(obj, f, *args, **kwargs)
+        with session._own_work():
+            session.world()
+            obj = models.full_tensors(obj)  # sharded (FSDP) state: gathered whole
+            what = session.saves.save(original, obj, path, args, kwargs, opened=None if path is f else f)
+        path = os.fspath(path)
+        session.notice.say(("save", os.path.abspath(path)), f"torch.save({path!r}): {what}")
+        return None
+
+    return save
 
 
 def opened_path(file: Any) -> str | None:

@@ -15,13 +15,14 @@ body runs on rank 0 the collectives of ``torch.distributed`` and ``autoddp.barri
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import inspect
 import itertools
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType, TracebackType
 from typing import Any, TypeVar, overload
 
@@ -38,6 +39,9 @@ from autoddp.world import current
 F = TypeVar("F", bound=Callable[..., Any])
 
 _KEY_PREFIX = "autoddp/rank0/"
+#: Per rank: the store key it waits on for rank 0 now ("-": none). Rank 0 reads it to tell that a
+#: rank is waiting for it at a point rank 0 has not reached (capture's ``torch.save`` does).
+WAITING_PREFIX = "autoddp/waiting/"
 _MAX_SITES = 4096
 _OK = b"ok\n"  # then the block's name: readers check that they are at the same block
 
@@ -309,14 +313,40 @@ def _wait(store: Any, key: str, world_size: int, where: str) -> bytes:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0)
             return box[0]
-        store.wait([key], _timeout(store))
-    value = store.get(key)
+        with waiting_for(store, current().rank, key):
+            store.wait([key], _timeout(store))
+            value = store.get(key)
     readers = world_size - 1
     if readers == 1 or store.add(f"{key}/read", 1) == readers:
         store.delete_key(key)
         if readers > 1:
             store.delete_key(f"{key}/read")
     return value
+
+
+@contextlib.contextmanager
+def waiting_for(store: Any, rank: int, key: str) -> Iterator[None]:
+    """Say in the store that ``rank`` waits for rank 0 to publish ``key`` (``WAITING_PREFIX``):
+    under capture only, whose ``torch.save`` reads it (and made the flag when it joined)."""
+    if CURRENT.capture is None:
+        yield
+        return
+    store.set(f"{WAITING_PREFIX}{rank}", key)
+    try:
+        yield
+    finally:
+        store.set(f"{WAITING_PREFIX}{rank}", "-")
+
+
+def waits_ahead(store: Any, rank: int) -> bool:
+    """True when ``rank`` waits for rank 0 to publish a key it has not published yet: a point of
+    the program rank 0 has not reached (a rank waiting there has gone past rank 0's point)."""
+    flag = f"{WAITING_PREFIX}{rank}"
+    if not store.check([flag]):
+        return False
+    key = store.get(flag).decode()
+    # the flag is cleared before a key is deleted: still the same flag, the key is not yet there
+    return key != "-" and not store.check([key]) and store.get(flag).decode() == key
 
 
 def _timeout(store: Any) -> datetime.timedelta:

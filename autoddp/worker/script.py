@@ -143,6 +143,8 @@ def _run_captured(argv: list[str], kept: KeptGroups) -> None:
         kept.install()
         try:
             _run(argv)
+            if session is not None:
+                session.ended_well = True
         finally:
             kept.uninstall()
             if session is not None:
