@@ -88,7 +88,7 @@ def step():
     opt.step()
 step()
 torch.save(model, "model.pt")
-with torch.serialization.safe_globals([Net, nn.Linear]):  # torch.load's weights-only default
+with torch.serialization.safe_globals([Net, nn.Linear, nn.LSTM]):  # torch.load's weights-only default
     loaded = torch.load("model.pt")
 with zipfile.ZipFile("model.pt") as z:
     pickled = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
@@ -107,10 +107,25 @@ print("result", json.dumps(report), flush=True)
 """
 
 
-def test_a_saved_model_is_the_file_one_process_writes_and_loads_weights_only(tmp_path):
+#: word_language_model's shape: an LSTM, whose class pickles its whole ``__dict__``.
+RNN_NET = """
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.out = nn.LSTM(4, 3), nn.Linear(3, 1)
+    def forward(self, x):
+        return self.out(self.rnn(x)[0])
+
+torch.manual_seed(0)
+model = Net()
+"""
+
+
+@pytest.mark.parametrize("net", [NET, RNN_NET], ids=["linear", "lstm"])
+def test_a_saved_model_is_the_file_one_process_writes_and_loads_weights_only(tmp_path, net):
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
-    script = str(write(tmp_path / "saved.py", SAVED.replace("{net}", NET)))
+    script = str(write(tmp_path / "saved.py", SAVED.replace("{net}", net)))
     one = run_python([script], cwd=tmp_path / "one", timeout=140)
     two = run_python([*COMMAND, script], cwd=tmp_path / "two", timeout=140)
     assert one.returncode == 0, one.stderr

@@ -270,8 +270,14 @@ def watch(root: torch.nn.Module, replica: Replica) -> None:
         watcher = _watcher(sub)
         if watcher is not None:
             watcher.replica = replica
-        elif sub._parameters:
+        elif sub._parameters and _pickles_without_routing(sub):
             _compat.route_calls(sub, _Watch(sub, replica).__call__)
+
+
+def _pickles_without_routing(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s pickle leaves a routed call out: ``Module.__getstate__`` does, a class
+    pickling its whole ``__dict__`` (torch's RNN layers) does not, and is left unwatched (README)."""
+    return type(module).__getstate__ is torch.nn.Module.__getstate__
 
 
 def _unwatch(module: torch.nn.Module) -> None:
