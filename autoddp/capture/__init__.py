@@ -340,8 +340,7 @@ class Session:
     def _first_backward(self, original: Any, frame: Any, args: Any, kwargs: Any) -> Any:
         """With no optimizer made yet, which models does the first backward train by hand?"""
         self.undistributed.backward_checked = True
-        if self.options.split_batches:  # its parts are weighed as means: is it one?
-            models.check_split_loss(args[0] if args else kwargs.get("tensors"))
+        models.check_loss(args[0] if args else kwargs.get("tensors"), self.options.split_batches)
         if self.optimizers_made:
             return original(*args, **kwargs)
         roots = candidate_roots(self.registry, frame, CURRENT.wrapped_models())

@@ -156,9 +156,10 @@ def counted(original: Any, accumulates: bool = True) -> Any:
     return _reduction.counting(original, _reduction.BACKWARD if accumulates else _reduction.GRAD)
 
 
-def check_split_loss(loss: Any) -> None:
-    """split_batches: warn when the first loss is summed over the batch (a mean is assumed)."""
-    _split.check_loss(loss)
+def check_loss(loss: Any, split: bool) -> None:
+    """Warn when the first loss reduces over the batch otherwise than the run can average: a
+    weighted mean (DDP, split_batches), or a sum (split_batches, which assumes a mean)."""
+    _split.check_loss(loss, split)
 
 
 def show_split_loss_whole(loss: Any) -> None:

@@ -67,9 +67,21 @@ def show_whole(loss: Any) -> None:
     loss.data.copy_(share.reshape(loss.shape))  # (.data: no version bump for a graph kept alive)
 
 
-def check_loss(loss: Any) -> None:
-    """Warn when ``loss`` is summed or a weighted mean over the batch: weighing the parts assumes a mean."""
+def check_loss(loss: Any, split: bool = True) -> None:
+    """Warn when ``loss`` is summed or a weighted mean over the batch: weighing the parts assumes a
+    mean; without ``split``, DDP's average of the ranks' weighted means is not the batch's."""
     reduction = _compat.loss_reduction(loss)
+    if not split:
+        if reduction == "weighted mean":
+            _warn.warn(
+                "this loss is a weighted mean over the batch (class weights, or ignore_index with "
+                "ignored samples): each process divides by the weights of its own samples and DDP "
+                "averages the processes' gradients, so they differ from one process's over the "
+                "global batch unless every process's samples weigh the same. For one process's "
+                "gradients, use reduction='sum' divided by the global batch's total weight "
+                "(all-reduced) times the number of processes, or split_batches=True with that sum"
+            )
+        return
     if reduction == "weighted mean":
         _warn.warn(
             "split_batches assumes a loss that is a plain mean over the batch, and this one is a weighted "
