@@ -443,3 +443,35 @@ def test_a_line_the_notice_said_is_not_said_again_for_another_key(capsys):
     for epoch in range(3):
         notice.say(("loader", epoch), "DataLoader (train.py:19): sharded")
     assert capsys.readouterr().err.count("DataLoader (train.py:19): sharded") == 1
+
+
+def test_a_shuffled_pass_begun_before_the_optimizer_is_named_as_such_and_warned_at_step(tmp_path):
+    """A shuffled loader whose iterator was made before the optimizer: its pass is left whole; the
+    notice names that loader and the fix, not "no pass over a shuffled DataLoader ran"."""
+    script = write(
+        tmp_path / "early.py",
+        """
+        import torch, torch.nn as nn
+        torch.manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+        loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)
+        batches = iter(loader)  # made before the optimizer
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in batches:
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        """,
+    )
+    result = run_python(["-m", "autoddp.cli", "-n", "2", str(script)])
+    assert result.returncode == 0, result.stderr
+    assert "early.py:12: UserWarning: an optimizer steps while the shuffled DataLoader at early.py:5" in (
+        result.stderr
+    )
+    assert (
+        "not distributed: the first optimizer step (early.py:12) came during a pass over the shuffled "
+        "DataLoader at early.py:5 that autoddp left whole" in result.stderr
+    )
+    assert "Make the optimizer and call model.train() before iterating the loader" in result.stderr
+    assert "no pass over a shuffled DataLoader ran" not in result.stderr

@@ -132,6 +132,17 @@ class Undistributed:
         self.step_checked = True
         if self.data_shared or notice is None:
             return
+        if whole is not None:  # a shuffled loader's pass runs, left whole: say that, not "no pass"
+            notice.say(
+                ("no sharded data",),
+                f"not distributed: the first optimizer step ({where(site)}) came during a pass over the "
+                f"shuffled DataLoader at {where(whole)} that autoddp left whole (it began before any "
+                "optimizer was made, or with every model in eval()), so every process trains on the "
+                f"same batches, {self.world_size} times the work for one process's result. Make the "
+                "optimizer and call model.train() before iterating the loader (iter(loader) included)",
+                captured=True,
+            )
+            return
         ordered = ""
         if self.ordered:
             ordered = (
