@@ -95,6 +95,14 @@ def is_autoddp(path: str) -> bool:
     return not path.startswith("<") and os.path.realpath(path).startswith(AUTODDP)
 
 
+def is_package(path: str, name: str) -> bool:
+    """Whether ``path`` (a frame's file) is in package ``name``'s folder (autoddp, torch, wrapt)."""
+    if path.startswith("<"):
+        return False
+    real = os.path.realpath(path)
+    return any(package == name and real.startswith(folder) for folder, package in _FOLDERS.items())
+
+
 def is_library(path: str) -> bool:
     """Whether ``path`` is never the user's code: autoddp's, the standard library's or a package's."""
     return _kind(path) != _USER

@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from autoddp import _compat, _frames
@@ -31,7 +30,6 @@ from autoddp.state import CURRENT
 
 _PREFIX = "autoddp/shared_files/"
 _POLL_SECONDS = 0.01
-_TORCH = os.path.join(os.path.realpath(os.path.dirname(torch.__file__)), "")
 _WRITING = os.O_WRONLY | os.O_RDWR
 
 
@@ -104,7 +102,7 @@ def _user_site(frame: Any) -> str | None:
     """``file.py:12`` of the user's line behind this open; None when torch or autoddp opened it."""
     while frame is not None:
         filename = frame.f_code.co_filename
-        if _frames.is_autoddp(filename) or os.path.realpath(filename).startswith(_TORCH):
+        if _frames.is_autoddp(filename) or _frames.is_package(filename, "torch"):
             return None
         if _frames.is_user(filename):
             return f"{os.path.basename(filename)}:{frame.f_lineno}"
