@@ -304,12 +304,18 @@ except BaseException as error:
 PARTITIONED = 'import datetime; dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=15))'
 
 
-@pytest.mark.parametrize("front", ["command", "decorator"])
+@pytest.mark.parametrize("front", ["command", "command-own-timeout", "decorator"])
 @pytest.mark.parametrize("outage", [3.0, None])
 def test_node1_link_down_a_short_outage_recovers_a_long_one_ends_both(hosts, tmp_path, outage, front):  # noqa: F811
+    """``command``: the script's own ``init_process_group("gloo")`` passes no timeout, so the
+    command's ``--timeout 15`` bounds it (not torch's 30 minutes); ``command-own-timeout``: the
+    script gives its group ``timeout=15`` itself."""
     steps, master = 150 if outage else 3000, _master()
     script = tmp_path / "long.py"
     if front == "command":
+        script.write_text(LONG.replace("3000", str(steps)))
+        command = _command(master, script, "--hang-report", "8", "--timeout", "15")
+    elif front == "command-own-timeout":
         own_group = LONG.replace('dist.init_process_group("gloo")', PARTITIONED)
         script.write_text(own_group.replace("3000", str(steps)))
         command = _command(master, script, "--hang-report", "8")
@@ -336,7 +342,9 @@ def test_node1_link_down_a_short_outage_recovers_a_long_one_ends_both(hosts, tmp
         assert "unreachable" not in err0 + err1 and "hang report" not in err0 + err1, (err0, err1)
         return
     assert code0 == code1 == 1, (err0[-3000:], err1[-3000:])
-    assert end0 - down < 50 and end1 - down < 70, (end0 - down, end1 - down)  # (a 15 s collective timeout)
+    # a 15 s collective timeout: measured 16-19 s on node 0 and 22-24 s on node 1 (its agent's
+    # store, on node 0, is cut off too); the bound leaves room for a loaded machine
+    assert end0 - down < 35 and end1 - down < 45, (end0 - down, end1 - down)
     assert re.search(
         r"autoddp: node 1 of 2 unreachable since \d\d:\d\d:\d\d \(no word from it for \d+ s\)", err0
     )

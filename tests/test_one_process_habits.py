@@ -164,6 +164,30 @@ def test_a_scripts_own_tcp_address_is_served_by_rank_0(tmp_path, capture):
     assert "rank 0 of 2: 2.0" in result.stdout and "rank 1 of 2: 2.0" in result.stdout
 
 
+LATE_RANK_1 = """
+import time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")  # no timeout=: torch's would be 30 minutes
+if dist.get_rank() == 1:
+    time.sleep(600)
+dist.all_reduce(torch.ones(1))
+"""
+
+
+@pytest.mark.timeout(100)
+@pytest.mark.parametrize("capture", [True, False])
+def test_the_commands_timeout_bounds_a_scripts_own_group_that_gives_none(tmp_path, capture):
+    script = write(tmp_path / "late.py", LATE_RANK_1)
+    flags = [] if capture else ["--no-capture"]
+    command = ["-m", "autoddp.cli", "-n", "2", "--timeout", "5", "--hang-report", "0", *flags, str(script)]
+    result = run_python(command, timeout=80)
+    assert result.returncode != 0
+    assert "[rank 0 of 2]" in result.stderr and "late.py\", line 9" in result.stderr, result.stderr[-3000:]
+    assert re.search(r"[Tt]imed out|timeout", result.stderr), result.stderr[-3000:]
+
+
 def test_rank_0_reads_the_commands_stdin_and_the_others_an_empty_one(tmp_path):
     script = write(
         tmp_path / "reads_stdin.py",

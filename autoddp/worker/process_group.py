@@ -287,8 +287,13 @@ def _name_interface(world: World) -> None:
             print(f"autoddp: node {world.node_rank}: {choice.summary}", file=sys.stderr, flush=True)
 
 
-def own_group_arguments(world: World, arguments: dict[str, Any]) -> dict[str, Any]:
+def own_group_arguments(
+    world: World, arguments: dict[str, Any], timeout: datetime.timedelta | None = None
+) -> dict[str, Any]:
     """What a script's own ``init_process_group`` call (``arguments``, by name) is made with here.
+
+    A call that passes no ``timeout=`` gets the run's (``--timeout``, when given): a collective
+    the network cuts ends the run within the bound the user gave, not torch's 30 minutes.
 
     A rank or world size that is not this process's (a script written for one process:
     ``rank=0, world_size=1``, in the call or a ``tcp://`` init_method's query) is refused: every
@@ -320,6 +325,8 @@ def own_group_arguments(world: World, arguments: dict[str, Any]) -> dict[str, An
             "or pass rank=int(os.environ['RANK']), world_size=int(os.environ['WORLD_SIZE']); or run "
             "it in one process (autoddp -n 1, or python)"
         )
+    if arguments.get("timeout") is None and timeout is not None:
+        arguments = {**arguments, "timeout": timeout}
     if url is None or url.scheme != "tcp" or url.port is None or arguments.get("store") is not None:
         return arguments  # (torch's own error for an address without a port)
     if url.port == world.master_port:

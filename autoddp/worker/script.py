@@ -95,9 +95,10 @@ def _start_capture(
     return session
 
 
-def _own_groups_checked(world: World) -> _patches.Patches:
+def _own_groups_checked(world: World, timeout: datetime.timedelta | None) -> _patches.Patches:
     """The script's own ``init_process_group`` calls, made as ``process_group.own_group_arguments``
-    says (a world that is not this process's refused), in a world of several processes."""
+    says (a world that is not this process's refused; the run's ``timeout`` where the call gives
+    none), in a world of several processes."""
     if world.world_size <= 1:
         return _patches.Patches()
 
@@ -109,7 +110,7 @@ def _own_groups_checked(world: World) -> _patches.Patches:
                 arguments = signature.bind(*args, **kwargs).arguments
             except TypeError:  # torch's own error, from the call itself
                 return original(*args, **kwargs)
-            return original(**process_group.own_group_arguments(world, arguments))
+            return original(**process_group.own_group_arguments(world, arguments, timeout))
 
         return init_process_group
 
@@ -138,7 +139,7 @@ def _run_captured(argv: list[str], kept: KeptGroups) -> None:
     own DDP models are ``kept`` (released after its atexit hooks)."""
     capture_on, options, timeout, argv = _runner_flags(argv)
     world = environment.detect().world()
-    with marks.marking(world), _own_groups_checked(world):  # (the hang report's hooks outermost)
+    with marks.marking(world), _own_groups_checked(world, timeout):  # (the hang report's hooks outermost)
         session = _start_capture(capture_on, options, timeout)
         kept.install()
         try:
