@@ -184,7 +184,7 @@ def test_the_commands_timeout_bounds_a_scripts_own_group_that_gives_none(tmp_pat
     command = ["-m", "autoddp.cli", "-n", "2", "--timeout", "5", "--hang-report", "0", *flags, str(script)]
     result = run_python(command, timeout=80)
     assert result.returncode != 0
-    assert "[rank 0 of 2]" in result.stderr and "late.py\", line 9" in result.stderr, result.stderr[-3000:]
+    assert "[rank 0 of 2]" in result.stderr and 'late.py", line 9' in result.stderr, result.stderr[-3000:]
     assert re.search(r"[Tt]imed out|timeout", result.stderr), result.stderr[-3000:]
 
 
