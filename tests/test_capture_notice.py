@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import textwrap
 
 import pytest
 import torch
@@ -475,3 +476,38 @@ def test_a_shuffled_pass_begun_before_the_optimizer_is_named_as_such_and_warned_
     )
     assert "Make the optimizer and call model.train() before iterating the loader" in result.stderr
     assert "no pass over a shuffled DataLoader ran" not in result.stderr
+
+
+@pytest.mark.parametrize("front", ["command", "decorator"])
+def test_a_users_distributed_sampler_made_for_one_process_is_named_with_the_fix(tmp_path, front):
+    """Helpers that read the world before the process group exists give DistributedSampler a
+    world of one: every rank reads all of the data (one process's result, but no speed-up)."""
+    body = """
+        import torch, torch.distributed as dist, torch.nn as nn
+        from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+        loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, world, rank))
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in loader:
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    """
+    if front == "command":
+        script, line = write(tmp_path / "own_sampler.py", body), 7
+    else:  # world and rank read where the decorator is applied, before the call
+        lines = textwrap.dedent(body).strip("\n").splitlines()
+        indented = "\n".join("    " + text for text in lines[5:])
+        source = "\n".join([*lines[:5], "@autoddp.distributed(nproc=2)", "def train():", indented, "train()"])
+        script, line = write(tmp_path / "own_sampler.py", "import autoddp\n" + source), 9
+    command = ["-m", "autoddp.cli", "-n", "2", str(script)] if front == "command" else [str(script)]
+    result = run_python(command)
+    assert result.returncode == 0, result.stderr
+    assert (
+        f"DataLoader (own_sampler.py:{line}): its own DistributedSampler(num_replicas=1, rank=0): every rank "
+        "reads all of it, the same samples as one process: no speed-up; make the DistributedSampler after "
+        "the process group exists" in result.stderr
+    ), result.stderr

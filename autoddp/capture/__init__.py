@@ -281,8 +281,12 @@ class Session:
         kind = loaders.kind(loader)
         if kind in ("distributed", "iterable"):
             self.undistributed.data_shared = True  # given out by rank already, or by the dataset
-        if kind == "distributed":
-            return  # prepared, or the user's own DistributedSampler: as it is
+        if kind == "distributed":  # prepared, or the user's own DistributedSampler: as it is
+            with self._own_work():
+                foreign = loaders.foreign_shares(loader, self.world())
+            if foreign is not None and self.notice is not None:
+                self.notice.say(("loader", id(loader)), f"DataLoader ({where(site)}): {foreign}")
+            return
         if kind != "random":
             if kind == "ordered":
                 self.undistributed.ordered.append(site)

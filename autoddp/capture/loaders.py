@@ -18,6 +18,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sequenti
 
 from autoddp import _compat
 from autoddp.data.loaders import distributed_sampler, wrapped_batches
+from autoddp.state import World
 
 
 def kind(loader: DataLoader) -> str:
@@ -41,6 +42,26 @@ REASONS = {
     "iterable": "an IterableDataset takes no sampler: shard inside its __iter__ with autoddp.rank()",
     "distributed": "it already has a DistributedSampler",
 }
+
+
+def foreign_shares(loader: DataLoader, world: World) -> str | None:
+    """For the notice: what a loader's own DistributedSampler made for another world does here
+    (built before the process group existed: ``num_replicas=1``); None when it fits this rank."""
+    sampler = distributed_sampler(loader)
+    rank, world_size = world.rank, world.world_size
+    if sampler is None or (sampler.num_replicas, sampler.rank) == (world_size, rank):
+        return None
+    own = f"its own DistributedSampler(num_replicas={sampler.num_replicas}, rank={sampler.rank})"
+    fix = (
+        "make the DistributedSampler after the process group exists (num_replicas=dist.get_world_size(), "
+        "rank=dist.get_rank()), or leave it out and use shuffle=True: autoddp shares a shuffled loader out"
+    )
+    if sampler.num_replicas == 1:
+        return f"{own}: every rank reads all of it, the same samples as one process: no speed-up; {fix}"
+    return (
+        f"{own}: this rank reads the share of rank {sampler.rank} of {sampler.num_replicas}, not its own "
+        f"(rank {rank} of {world_size}): samples are missed or read twice, unlike one process; {fix}"
+    )
 
 
 def padding(loader: DataLoader) -> str:
