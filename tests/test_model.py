@@ -260,7 +260,7 @@ def test_sync_batchnorm_option_and_hint():
     (hint,) = [m for m in messages if "BatchNorm layers" in m]
     # on CPU the hint must not recommend sync_batchnorm=True, which fails there
     assert "sync_batchnorm=True" not in hint and "CUDA only" in hint
-    from autoddp.models.ddp import _batchnorm_hint
+    from autoddp.models.statistics import batchnorm_hint as _batchnorm_hint
 
     assert "sync_batchnorm=True" in _batchnorm_hint("BNNet", "cuda:0")
 

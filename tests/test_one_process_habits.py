@@ -226,3 +226,48 @@ def test_input_in_a_decorated_function_reads_the_callers_stdin_on_rank_0(tmp_pat
     result = run_python([str(script)], stdin="yes\n")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("['yes', None]")
+
+
+RUNNING_NORMALISER = """
+import torch, torch.nn as nn
+
+class Normalised(nn.Module):  # a running normaliser, as in RL and tabular code
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.Module()
+        self.norm.register_buffer("mean", torch.zeros(4))
+        self.norm.register_buffer("scale", torch.ones(4))  # never updated: not named
+        self.bn = nn.BatchNorm1d(4)  # hinted on its own
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x):
+        if self.training:
+            self.norm.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return self.lin(self.bn((x - self.norm.mean) / self.norm.scale))
+
+torch.manual_seed(0)
+data = torch.utils.data.TensorDataset(torch.randn(64, 4) + 3, torch.randn(64, 1))
+loader = torch.utils.data.DataLoader(data, batch_size=16, shuffle=True)
+model = Normalised()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for x, y in loader:
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+"""
+
+
+@pytest.mark.timeout(75)
+def test_a_buffer_the_forward_updates_is_hinted_once_at_the_users_line(tmp_path):
+    script = write(tmp_path / "normaliser.py", RUNNING_NORMALISER)
+    result = run_python(["-m", "autoddp.cli", "-n", "2", str(script)], timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = "Normalised's forward updates buffers (norm.mean), running statistics that DDP does not average"
+    assert result.stderr.count(said) == 1, result.stderr
+    assert "normaliser.py:25: UserWarning: " + said in result.stderr  # the forward's line
+    assert "all-reduce the batch's sums and counts" in result.stderr
+    assert "Normalised has BatchNorm layers" in result.stderr  # BatchNorm's own hint, not this one
+    quiet = write(tmp_path / "static.py", RUNNING_NORMALISER.replace("if self.training:", "if False:"))
+    result = run_python(["-m", "autoddp.cli", "-n", "2", str(quiet)], timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "forward updates buffers" not in result.stderr, result.stderr

@@ -51,6 +51,8 @@ class Replica(Protocol):
     #: Whether an optimizer's guard reads the counts, and which backward passes DDP averaged.
     watched: bool
     reduction: Any
+    #: Buffers the forward updates (running statistics), looked for in the first forwards.
+    updated_buffers: Any
 
     def for_call(
         self, module: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
@@ -86,8 +88,11 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     _ROUTING.inside = replica.inside = True
     _ROUTING.calls += 1
     replica.forwards += 1
+    versions = replica.updated_buffers.before(self)
     try:
         result = ddp(*args, **kwargs)
+        if versions is not None:
+            replica.updated_buffers.after(self, versions)
         if replica.watched:  # an optimizer's guard reads which backward passes DDP averaged
             replica.reduction.forwarded(result, ddp.require_backward_grad_sync)
         if CURRENT.split_weight is not None:  # split_batches: this rank's part weighs its share

@@ -29,21 +29,10 @@ import torch
 from autoddp import _compat, _warn
 from autoddp.environment import hardware
 from autoddp.errors import ConfigurationError
-from autoddp.models import _class_swap, _reduction, _routing, _split
+from autoddp.models import _class_swap, _reduction, _routing, _split, statistics
 from autoddp.models.strategy import Strategy
 from autoddp.state import CURRENT, RunOptions, World
 from autoddp.worker import placement
-
-#: BatchNorm layers (torch's public classes) whose statistics stay per process without sync_batchnorm.
-_BATCHNORMS = (
-    torch.nn.BatchNorm1d,
-    torch.nn.BatchNorm2d,
-    torch.nn.BatchNorm3d,
-    torch.nn.LazyBatchNorm1d,
-    torch.nn.LazyBatchNorm2d,
-    torch.nn.LazyBatchNorm3d,
-)
-
 
 #: autoddp's own DDP settings, chosen by measurement (``benchmarks/memory.py``, ``steady_state.py``)
 #: and shown to leave the weights bitwise equal (``tests/test_ddp_defaults.py``); ``ddp=`` wins.
@@ -82,8 +71,9 @@ def _watch_parameter_changes() -> None:
 class Replica:
     """The DDP behind one module, rebuilt when the module's parameters change (module docstring)."""
 
-    def __init__(self, module: torch.nn.Module, ddp_kwargs: Mapping[str, Any]) -> None:
+    def __init__(self, module: torch.nn.Module, ddp_kwargs: Mapping[str, Any], rank: int = 0) -> None:
         self.ddp_kwargs = {**DEFAULTS, **ddp_kwargs}
+        self.updated_buffers = statistics.UpdatedBuffers(rank)  # statistics the forward updates
         self.signature: list[tuple[torch.nn.Parameter, torch.dtype, torch.device, bool]] = []
         #: Whether the module had buffers at the build: DDP decides it once, so a change rebuilds it.
         self.buffered = False
@@ -268,13 +258,17 @@ def wrap_model(
     if not distributed:
         return module
     _own_data_parallels(module, world)
-    if not sync_batchnorm and world.rank == 0 and any(isinstance(m, _BATCHNORMS) for m in module.modules()):
+    if (
+        not sync_batchnorm
+        and world.rank == 0
+        and any(isinstance(m, statistics.BATCHNORMS) for m in module.modules())
+    ):
         # (said by rank 0 only: every rank would say the same)
-        _warn.warn(_batchnorm_hint(type(module).__name__, world.device))
+        _warn.warn(statistics.batchnorm_hint(type(module).__name__, world.device))
     _watch_parameter_changes()
     if world.device == "cpu":
         hardware.keep_freed_memory()  # else every step may fault its activations in again
-    object.__setattr__(module, _routing.REPLICA_ATTR, Replica(module, ddp_kwargs or {}))
+    object.__setattr__(module, _routing.REPLICA_ATTR, Replica(module, ddp_kwargs or {}, world.rank))
     return module
 
 
@@ -308,16 +302,6 @@ def _own_data_parallels(module: torch.nn.Module, world: World) -> None:
                     f"nn.DataParallel{inside} now runs on each process's own GPU only (device_ids="
                     "[local rank]): every process has one GPU, and DDP averages the gradients across them"
                 )
-
-
-def _batchnorm_hint(name: str, device: str) -> str:
-    text = f"{name} has BatchNorm layers: each process normalises with the statistics of its own batch. "
-    if device.startswith("cuda"):
-        return text + "Pass sync_batchnorm=True to @distributed to synchronise them across processes."
-    return text + (
-        "torch's SyncBatchNorm runs on CUDA only, so CPU processes keep per-process statistics; "
-        "if that matters, use larger per-process batches or GroupNorm/LayerNorm."
-    )
 
 
 def _on_device(module: torch.nn.Module, device: str) -> bool:
