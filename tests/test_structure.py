@@ -205,3 +205,13 @@ def test_the_public_api_is_the_documented_one():
     readme = (PACKAGE.parent / "README.md").read_text()
     undocumented = [n for n in autoddp.__all__ if f"autoddp.{n}" not in readme and f"`{n}" not in readme]
     assert undocumented == []
+
+
+def test_the_package_ships_its_license_and_type_marker():
+    """setup.cfg's license has its file, and the package says it is typed (PEP 561)."""
+    root = PACKAGE.parent
+    config = (root / "setup.cfg").read_text()
+    assert "license = BSD-3-Clause" in config and "license_files = LICENSE" in config
+    assert "BSD 3-Clause License" in (root / "LICENSE").read_text()
+    assert (PACKAGE / "py.typed").exists() and "autoddp = py.typed" in config
+    assert (root / "CHANGELOG.md").read_text().startswith("# Changelog")
