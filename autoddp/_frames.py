@@ -71,8 +71,23 @@ def _library_roots() -> tuple[str, ...]:
     return tuple(sorted(real, key=len, reverse=True))
 
 
+def _standard_library() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the standard library's folders, the site-packages folders), real paths: a site-packages
+    folder may lie inside the standard library's (a Python without a venv)."""
+    paths = sysconfig.get_paths()
+    stdlib = {paths[k] for k in ("stdlib", "platstdlib") if k in paths} | {os.path.dirname(os.__file__)}
+    packages = {paths[k] for k in ("purelib", "platlib") if k in paths}
+    packages.update(getattr(site, "getsitepackages", list)())
+
+    def real(roots: set[str]) -> tuple[str, ...]:
+        return tuple({os.path.join(os.path.realpath(root), "") for root in roots})
+
+    return real(stdlib), real(packages)
+
+
 _FOLDERS = _package_folders()
 _ROOTS = _library_roots()
+_STDLIB, _SITE_PACKAGES = _standard_library()
 _PASS_FILES = frozenset(os.path.join(AUTODDP, name) for name in PASS_THROUGH)
 _RUNNER_FILES = frozenset(
     {os.path.join(AUTODDP, name) for name in CALL_PATH}
@@ -101,6 +116,15 @@ def is_package(path: str, name: str) -> bool:
         return False
     real = os.path.realpath(path)
     return any(package == name and real.startswith(folder) for folder, package in _FOLDERS.items())
+
+
+@functools.lru_cache(maxsize=1024)
+def is_standard_library(path: str) -> bool:
+    """Whether ``path`` is Python's own (the standard library, a frozen module), not a package's."""
+    if path.startswith("<"):
+        return path.startswith("<frozen ")
+    real = os.path.realpath(path)
+    return real.startswith(_STDLIB) and not real.startswith(_SITE_PACKAGES)
 
 
 def is_library(path: str) -> bool:

@@ -256,3 +256,12 @@ def test_no_other_module_decides_whose_frame_it_is():
         "os.path.realpath(co_filename)",
         "walks a traceback",
     ]
+
+
+def test_the_standard_library_is_told_apart_from_packages_installed_beside_it():
+    import numpy
+
+    assert _frames.is_standard_library(os.__file__) and _frames.is_standard_library(json.__file__)
+    assert _frames.is_standard_library("<frozen runpy>")
+    assert not _frames.is_standard_library(numpy.__file__)  # site-packages, even inside lib/python3.X
+    assert not _frames.is_standard_library(__file__) and not _frames.is_standard_library("<string>")

@@ -99,11 +99,16 @@ def _message(path: str, site: str, ranks: list[int], world_size: int) -> str:
 
 
 def _user_site(frame: Any) -> str | None:
-    """``file.py:12`` of the user's line behind this open; None when torch or autoddp opened it."""
+    """``file.py:12`` of the user's line behind this open; None when torch or autoddp opened it
+    (the first frame outside the standard library is theirs: ``torch.save``'s own file, not a
+    library's open under a torch frame such as ``@torch.no_grad()``, torchvision's ``save_image``)."""
+    opener = None
     while frame is not None:
         filename = frame.f_code.co_filename
-        if _frames.is_autoddp(filename) or _frames.is_package(filename, "torch"):
-            return None
+        if opener is None and not _frames.is_standard_library(filename):
+            opener = filename
+            if _frames.is_autoddp(filename) or _frames.is_package(filename, "torch"):
+                return None
         if _frames.is_user(filename):
             return f"{os.path.basename(filename)}:{frame.f_lineno}"
         frame = frame.f_back

@@ -81,6 +81,16 @@ def check_loss(loss: Any, split: bool = True) -> None:
                 "gradients, use reduction='sum' divided by the global batch's total weight "
                 "(all-reduced) times the number of processes, or split_batches=True with that sum"
             )
+        elif reduction == "sum":
+            world = CURRENT.world
+            _warn.warn(
+                "this loss is summed over the batch (reduction='sum' or .sum()): DDP averages the "
+                "processes' gradients, so they are 1/"
+                f"{world.world_size if world else 'N'} of one process's over the global batch (Adam "
+                "and its kin step nearly alike; SGD steps as with a learning rate that much smaller). "
+                "For one process's gradients, multiply the loss by the number of processes "
+                "(autoddp.world_size()), or use a mean over the batch"
+            )
         return
     if reduction == "weighted mean":
         _warn.warn(
