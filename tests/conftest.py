@@ -92,3 +92,36 @@ def run_python(
 def write(path, text: str):
     path.write_text(textwrap.dedent(text))
     return path
+
+
+#: Test files that share one resource of the machine (the SLURM cluster and the two network hosts;
+#: the sweep of /dev/shm and the temporary folder): under pytest-xdist (``--dist loadgroup``) each
+#: group runs in one worker, one test after another.
+SERIAL_GROUPS = {"test_clusters_": "clusters", "test_leftovers": "leftovers"}
+
+
+#: The fast part of the suite that CI runs on the lowest and the newest torch (``-m smoke``): the
+#: version seams, both fronts end to end (the demos, the decorator, one process's weights), the
+#: torchrun contract, the data and FSDP paths.
+SMOKE_FILES = frozenset(
+    {
+        "test_compat.py",
+        "test_frames.py",
+        "test_options.py",
+        "test_examples.py",
+        "test_decorator.py",
+        "test_equivalence.py",
+        "test_torchrun_contract.py",
+        "test_fsdp.py",
+        "test_data.py",
+    }
+)
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        for prefix, group in SERIAL_GROUPS.items():
+            if item.path.name.startswith(prefix):
+                item.add_marker(pytest.mark.xdist_group(group))
+        if item.path.name in SMOKE_FILES:
+            item.add_marker(pytest.mark.smoke)
