@@ -1,4 +1,4 @@
-"""The examples the README points to run as documented, from the checkout's root as a newcomer
+"""The examples the README and docs/ point to run as documented, from the checkout's root as a newcomer
 would, and leave nothing in the checkout: what they write goes to the temporary folder."""
 
 from __future__ import annotations

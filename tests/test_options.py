@@ -1,4 +1,5 @@
-"""One list of options: the decorator's signature, the command's flags and the README's table."""
+"""One list of options: the decorator's signature, the command's flags and the option table of the
+README and of docs/command.md."""
 
 from __future__ import annotations
 
@@ -28,8 +29,10 @@ def test_the_decorator_the_command_and_the_readme_come_from_one_list():
     helped = CliRunner().invoke(main, ["--help"]).output
     for flag in options.command_flags():
         assert flag.flags[0].split("/")[0] in helped
-    readme = pathlib.Path(__file__).parent.parent.joinpath("README.md").read_text()
-    assert options.readme_table() in readme, "README's option table: paste options.readme_table()"
+    root = pathlib.Path(__file__).parent.parent
+    for page in ("README.md", "docs/command.md"):
+        text = root.joinpath(page).read_text()
+        assert options.readme_table() in text, f"{page}'s option table: paste options.readme_table()"
 
 
 def test_the_command_checks_its_values_with_the_decorators_rules(tmp_path):

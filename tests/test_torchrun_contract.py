@@ -146,13 +146,15 @@ def test_every_torchrun_flag_is_taken_or_refused_in_one_line():
     from torch.distributed.run import get_args_parser
 
     ours = {opt for param in main.params for opt in param.opts + param.secondary_opts}
-    readme = pathlib.Path(__file__).parent.parent.joinpath("README.md").read_text()
+    page = pathlib.Path(__file__).parent.parent.joinpath("docs", "command.md").read_text()
+    table = page.partition("| torchrun flag | under `autoddp` |")[2].partition("\n\n")[0]
+    assert table, "docs/command.md has no torchrun table"
     runner = CliRunner()
     for action in get_args_parser()._actions:
         if not action.option_strings or action.dest == "help":
             continue
         name = torchrun_flags.canonical(action.option_strings[-1])
-        assert f"`{name}`" in readme, f"the README's torchrun table lacks {name}"
+        assert f"`{name}`" in table, f"docs/command.md's torchrun table lacks {name}"
         if name in torchrun_flags.TAKEN:
             assert set(action.option_strings) <= ours, f"{action.option_strings} not all taken"
             continue

@@ -3,14 +3,14 @@
 A torchrun command pasted after ``autoddp`` either works as it did under torchrun or stops with one
 line that names the flag as torchrun's and says what autoddp does instead: never a silent no-op,
 never a "did you mean" pointing elsewhere. ``tests/test_cli.py`` checks this table against
-torchrun's own parser and against the README's table.
+torchrun's own parser and against the table in docs/command.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-#: torchrun's flags the command takes, with what they do here (the README's table says the same).
+#: torchrun's flags the command takes, with what they do here (docs/command.md's table says the same).
 TAKEN = {
     "--nnodes": "machines taking part, N or MIN:MAX",
     "--nproc-per-node": "processes on this machine: a number, gpu, cpu or auto",

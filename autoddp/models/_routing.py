@@ -281,7 +281,8 @@ def watch(root: torch.nn.Module, replica: Replica) -> None:
 
 def _pickles_without_routing(module: torch.nn.Module) -> bool:
     """Whether ``module``'s pickle leaves a routed call out: ``Module.__getstate__`` does, a class
-    pickling its whole ``__dict__`` (torch's RNN layers) does not, and is left unwatched (README)."""
+    pickling its whole ``__dict__`` (torch's RNN layers) does not, and is left unwatched
+    (docs/guide/capture.md)."""
     return type(module).__getstate__ is torch.nn.Module.__getstate__
 
 
