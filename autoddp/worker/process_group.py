@@ -35,7 +35,7 @@ def resolve_backend(requested: str | None, gpus: int) -> Backend:
     choice = "auto" if requested is None else str(requested).lower()
     if choice not in BACKENDS:
         raise ConfigurationError(
-            f"unknown backend {requested!r}: use one of {', '.join(map(repr, BACKENDS))} "
+            f"unknown backend={requested!r}: use one of {', '.join(map(repr, BACKENDS))} "
             "(or leave it unset for NCCL on GPUs and gloo on CPU)"
         )
     if choice == "nccl" and gpus == 0:
