@@ -9,6 +9,7 @@ upgrade that breaks one fails there, loudly, before it can fail a user's run.
 from __future__ import annotations
 
 import atexit
+import re
 import sys
 from typing import Any
 
@@ -333,3 +334,42 @@ def no_line_prefix() -> str:
     (exercised through the agent itself: ``tests/test_nodes.py``, a node with ``--log-dir``).
     """
     return _EmptyPrefix()
+
+
+def release(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of a torch version string ("2.10.0+cu128": (2, 10)); default: this torch's."""
+    major, minor = (version or torch.__version__).split(".")[:2]
+    return int(major), int(minor)
+
+
+#: torch releases whose gloo writes "[Gloo] Rank N is connected to M peer ranks..." to file
+#: descriptor 1 (C++ ``std::cout``, unconditionally) whenever a gloo group connects: 2.8 up to 2.11,
+#: whose gloo logs it at INFO instead (shown only with ``GLOO_LOG_LEVEL=INFO``).
+GLOO_PRINTS_CONNECTIONS = ((2, 8), (2, 11))
+GLOO_LINE = re.compile(rb"\[Gloo\] Rank \d+ is (NOT )?connected to")
+
+
+def quiet_gloo_connections() -> None:
+    """Keep gloo's connection lines out of this process's standard output (torch 2.8-2.10).
+
+    Every group torch makes (``init_process_group``, ``new_group``) is made by
+    ``distributed_c10d._new_process_group_helper``: its calls run under ``worker.stdout.without_lines``.
+    Installed once per process.
+    """
+    low, high = GLOO_PRINTS_CONNECTIONS
+    if not low <= release() < high:
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    from autoddp.worker import stdout
+
+    make = _need(c10d, "_new_process_group_helper", "to keep gloo's connection lines off stdout")
+    if getattr(make, "_autoddp_quiet", False):
+        return
+
+    def quietly(*args: Any, **kwargs: Any) -> Any:
+        with stdout.without_lines(GLOO_LINE):
+            return make(*args, **kwargs)
+
+    quietly._autoddp_quiet = True  # type: ignore[attr-defined]
+    c10d._new_process_group_helper = quietly

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from autoddp import _compat
 from autoddp.errors import ConfigurationError
 from autoddp.state import CURRENT, RunOptions, World
 
@@ -197,6 +198,7 @@ def _init_group(world: World, backend: Backend, device: str, timeout: datetime.t
     if world.local_world_size < world.world_size:
         _name_interface(world)
     arguments = group_arguments(world, backend, device, timeout)
+    _compat.quiet_gloo_connections()  # (the user's own groups too, from here on)
     try:
         dist.init_process_group(store=_fresh_store(world, arguments["timeout"]), **arguments)
     except dist.DistNetworkError as error:
