@@ -373,3 +373,26 @@ def quiet_gloo_connections() -> None:
 
     quietly._autoddp_quiet = True  # type: ignore[attr-defined]
     c10d._new_process_group_helper = quietly
+
+
+#: The torch releases autoddp supports: each range's first release and what it lacks (None:
+#: nothing), lowest first; the first is setup.cfg's floor. ``autoddp env`` says the verdict.
+SUPPORTED = (
+    ((2, 4), "strategy='fsdp' (FSDP2 needs torch >= 2.6 on GPUs, >= 2.7 on CPU)"),
+    ((2, 6), "strategy='fsdp' on CPU/gloo (FSDP2 there needs torch >= 2.7)"),
+    ((2, 7), None),
+)
+#: The newest release the suite runs on: a newer one is supported, but untested.
+NEWEST_TESTED = (2, 15)
+
+
+def support_verdict(version: str | None = None) -> str:
+    """One line: whether autoddp supports torch ``version`` (default: this one) and what it lacks."""
+    here, (floor, _) = release(version), SUPPORTED[0]
+    if here < floor:
+        return f"unsupported: autoddp needs torch >= {floor[0]}.{floor[1]}; upgrade torch"
+    lacks = next(what for start, what in reversed(SUPPORTED) if here >= start)
+    verdict = f"supported, without {lacks}" if lacks else "supported, every feature"
+    if here > NEWEST_TESTED:
+        verdict += f"; newer than {NEWEST_TESTED[0]}.{NEWEST_TESTED[1]}, the newest tested"
+    return verdict

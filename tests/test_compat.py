@@ -272,3 +272,22 @@ def test_gloo_connection_lines_stay_out_of_the_users_stdout(tmp_path):
     done = run_python(["-m", "autoddp.cli", "-n", "2", "-q", str(script)], cwd=tmp_path, timeout=90)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["before", "from a thread", "after"], done.stdout  # (2.8-2.10: 2 more)
+
+
+def test_the_supported_range_starts_at_the_floor_and_says_what_each_range_lacks():
+    from click.testing import CliRunner
+
+    from autoddp.cli import main
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "setup.cfg")) as file:
+        assert "torch>=2.4\n" in file.read() and _compat.SUPPORTED[0][0] == (2, 4)
+    with open(os.path.join(root, "README.md")) as file:
+        assert 'Supported torch: 2.4 and newer; `strategy="fsdp"` (FSDP2) needs 2.6' in file.read()
+    assert _compat.support_verdict("2.3.1") == "unsupported: autoddp needs torch >= 2.4; upgrade torch"
+    assert "without strategy='fsdp' (FSDP2 needs torch >= 2.6 on GPUs" in _compat.support_verdict("2.4.1")
+    assert "without strategy='fsdp' on CPU/gloo" in _compat.support_verdict("2.6.0+cu124")
+    assert _compat.support_verdict("2.7.0") == _compat.support_verdict("2.15.0") == "supported, every feature"
+    assert _compat.support_verdict("2.16.0").endswith("newer than 2.15, the newest tested")
+    report = CliRunner().invoke(main, ["env"]).output
+    assert f"torch        {torch.__version__} ({_compat.support_verdict()})" in report, report
