@@ -25,13 +25,30 @@ def test_a_missing_internal_is_a_loud_error_naming_it():
         _compat._need(object(), "nope", "for a test")
 
 
-def test_bad_fork_check_answers_in_this_process_and_in_a_fork():
-    assert _compat.cuda_in_bad_fork() is False  # CUDA untouched here (and absent on CPU builds)
+#: A fresh interpreter's forks, before and after it asks for the GPU count.
+BAD_FORKS = """
+import os, torch
+from autoddp import _compat
+
+def fork_is_bad():
     pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        os._exit(0 if _compat.cuda_in_bad_fork() is False else 1)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    if pid == 0:
+        os._exit(1 if _compat.cuda_in_bad_fork() else 0)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 1
+
+untouched = fork_is_bad()
+torch.cuda.device_count()
+print(_compat.cuda_in_bad_fork(), untouched, fork_is_bad())
+"""
+
+
+def test_bad_fork_check_answers_in_this_process_and_in_a_fork(tmp_path):
+    script = tmp_path / "forks.py"
+    script.write_text(BAD_FORKS)
+    done = run_python([str(script)])
+    assert done.returncode == 0, done.stderr
+    # A CUDA build (even without a driver) marks every later fork bad once the GPUs are counted.
+    assert done.stdout.split() == ["False", "False", str(torch.backends.cuda.is_built())]
 
 
 def test_default_store_is_the_groups_key_value_store():
