@@ -9,6 +9,7 @@ upgrade that breaks one fails there, loudly, before it can fail a user's run.
 from __future__ import annotations
 
 import atexit
+import re
 import sys
 from typing import Any
 
@@ -333,3 +334,65 @@ def no_line_prefix() -> str:
     (exercised through the agent itself: ``tests/test_nodes.py``, a node with ``--log-dir``).
     """
     return _EmptyPrefix()
+
+
+def release(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of a torch version string ("2.10.0+cu128": (2, 10)); default: this torch's."""
+    major, minor = (version or torch.__version__).split(".")[:2]
+    return int(major), int(minor)
+
+
+#: torch releases whose gloo writes "[Gloo] Rank N is connected to M peer ranks..." to file
+#: descriptor 1 (C++ ``std::cout``, unconditionally) whenever a gloo group connects: 2.8 up to 2.11,
+#: whose gloo logs it at INFO instead (shown only with ``GLOO_LOG_LEVEL=INFO``).
+GLOO_PRINTS_CONNECTIONS = ((2, 8), (2, 11))
+GLOO_LINE = re.compile(rb"\[Gloo\] Rank \d+ is (NOT )?connected to")
+
+
+def quiet_gloo_connections() -> None:
+    """Keep gloo's connection lines out of this process's standard output (torch 2.8-2.10).
+
+    Every group torch makes (``init_process_group``, ``new_group``) is made by
+    ``distributed_c10d._new_process_group_helper``: its calls run under ``worker.stdout.without_lines``.
+    Installed once per process.
+    """
+    low, high = GLOO_PRINTS_CONNECTIONS
+    if not low <= release() < high:
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    from autoddp.worker import stdout
+
+    make = _need(c10d, "_new_process_group_helper", "to keep gloo's connection lines off stdout")
+    if getattr(make, "_autoddp_quiet", False):
+        return
+
+    def quietly(*args: Any, **kwargs: Any) -> Any:
+        with stdout.without_lines(GLOO_LINE):
+            return make(*args, **kwargs)
+
+    quietly._autoddp_quiet = True  # type: ignore[attr-defined]
+    c10d._new_process_group_helper = quietly
+
+
+#: The torch releases autoddp supports: each range's first release and what it lacks (None:
+#: nothing), lowest first; the first is setup.cfg's floor. ``autoddp env`` says the verdict.
+SUPPORTED = (
+    ((2, 4), "strategy='fsdp' (FSDP2 needs torch >= 2.6 on GPUs, >= 2.7 on CPU)"),
+    ((2, 6), "strategy='fsdp' on CPU/gloo (FSDP2 there needs torch >= 2.7)"),
+    ((2, 7), None),
+)
+#: The newest release the suite runs on: a newer one is supported, but untested.
+NEWEST_TESTED = (2, 15)
+
+
+def support_verdict(version: str | None = None) -> str:
+    """One line: whether autoddp supports torch ``version`` (default: this one) and what it lacks."""
+    here, (floor, _) = release(version), SUPPORTED[0]
+    if here < floor:
+        return f"unsupported: autoddp needs torch >= {floor[0]}.{floor[1]}; upgrade torch"
+    lacks = next(what for start, what in reversed(SUPPORTED) if here >= start)
+    verdict = f"supported, without {lacks}" if lacks else "supported, every feature"
+    if here > NEWEST_TESTED:
+        verdict += f"; newer than {NEWEST_TESTED[0]}.{NEWEST_TESTED[1]}, the newest tested"
+    return verdict

@@ -39,6 +39,25 @@ _RANGES = {
 }
 
 
+#: The shells click writes the command's completion script for (torchrun's: bash, zsh, tcsh).
+_SHELLS = ("bash", "zsh", "fish")
+
+
+def _print_completion(context: click.Context, _: click.Parameter, shell: str | None) -> None:
+    """torchrun's ``--print-completion SHELL``: the command's completion script on stdout, then exit."""
+    if shell is None or context.resilient_parsing:
+        return
+    if shell not in _SHELLS:
+        fail(
+            f"--print-completion {shell!r}: autoddp's completion scripts (click's) are for "
+            f"{', '.join(_SHELLS)}; use one of those"
+        )
+    from click.shell_completion import get_completion_class
+
+    click.echo(get_completion_class(shell)(main, {}, "autoddp", "_AUTODDP_COMPLETE").source())
+    context.exit()
+
+
 def _flags(command: Callable[..., Any]) -> Callable[..., Any]:
     """Every flag of ``autoddp.options``, in its order (click lists them as applied, last first)."""
     for flag in reversed(options.command_flags()):
@@ -63,6 +82,15 @@ def _flags(command: Callable[..., Any]) -> Callable[..., Any]:
 @click.argument("script", required=False, metavar="SCRIPT")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="[ARGS]...")
 @click.version_option(package_name="autoddp", prog_name="autoddp")
+@click.option(
+    "--print-completion",
+    "--print_completion",
+    metavar="bash|zsh|fish",
+    is_eager=True,
+    expose_value=False,
+    callback=_print_completion,
+    help="Print the command's shell completion script to stdout and exit, as torchrun's.",
+)
 def main(script: str | None, script_args: tuple[str, ...], **flags: Any) -> None:
     """Run SCRIPT once per device, each process ready for torch.distributed.
 

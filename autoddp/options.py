@@ -171,7 +171,7 @@ class Options:
         process_group.resolve_backend(self.backend, gpus=1)  # the name only; GPUs are checked per call
         if self.start_method not in launch_start.START_METHODS:
             raise ConfigurationError(
-                f"unknown start_method {self.start_method!r}: use 'auto' (default), 'fork' or 'spawn'"
+                f"unknown start_method={self.start_method!r}: use 'auto' (default), 'fork' or 'spawn'"
             )
         process_group.as_timeout(self.timeout)
         if (

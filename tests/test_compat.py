@@ -25,13 +25,30 @@ def test_a_missing_internal_is_a_loud_error_naming_it():
         _compat._need(object(), "nope", "for a test")
 
 
-def test_bad_fork_check_answers_in_this_process_and_in_a_fork():
-    assert _compat.cuda_in_bad_fork() is False  # CUDA untouched here (and absent on CPU builds)
+#: A fresh interpreter's forks, before and after it asks for the GPU count.
+BAD_FORKS = """
+import os, torch
+from autoddp import _compat
+
+def fork_is_bad():
     pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        os._exit(0 if _compat.cuda_in_bad_fork() is False else 1)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    if pid == 0:
+        os._exit(1 if _compat.cuda_in_bad_fork() else 0)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 1
+
+untouched = fork_is_bad()
+torch.cuda.device_count()
+print(_compat.cuda_in_bad_fork(), untouched, fork_is_bad())
+"""
+
+
+def test_bad_fork_check_answers_in_this_process_and_in_a_fork(tmp_path):
+    script = tmp_path / "forks.py"
+    script.write_text(BAD_FORKS)
+    done = run_python([str(script)])
+    assert done.returncode == 0, done.stderr
+    # A CUDA build (even without a driver) marks every later fork bad once the GPUs are counted.
+    assert done.stdout.split() == ["False", "False", str(torch.backends.cuda.is_built())]
 
 
 def test_default_store_is_the_groups_key_value_store():
@@ -244,3 +261,50 @@ def test_loss_reduction_reads_a_losss_graph_through_scalings():
     assert _compat.loss_reduction(F.cross_entropy(out, torch.tensor([0, 1, -100, 0]))) == "weighted mean"
     assert _compat.loss_reduction(F.cross_entropy(out, y, ignore_index=7)) == "mean"  # none ignored
     assert _compat.loss_reduction(torch.tensor(1.0)) is None
+
+
+#: A torchrun-style script whose rank 0 prints from a thread while gloo connects a new group.
+GROUPS = """
+import threading, time
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+print("before", flush=True)
+if dist.get_rank() == 0:  # printed while new_group waits for rank 1 (gloo connects inside it)
+    threading.Timer(0.5, print, ("from a thread",), {"flush": True}).start()
+else:
+    time.sleep(1.5)
+dist.barrier(group=dist.new_group([0, 1]))
+print("after", flush=True)
+"""
+
+
+def test_gloo_connection_lines_stay_out_of_the_users_stdout(tmp_path):
+    assert _compat.release("2.10.0+cu128") == (2, 10) and _compat.release("2.8.0") == (2, 8)
+    low, high = _compat.GLOO_PRINTS_CONNECTIONS
+    assert low == (2, 8) and high == (2, 11)  # torch 2.11's gloo logs the line at INFO, unseen
+    assert _compat.GLOO_LINE.match(b"[Gloo] Rank 1 is NOT connected to: [0]\n")
+    script = tmp_path / "groups.py"
+    script.write_text(GROUPS)
+    done = run_python(["-m", "autoddp.cli", "-n", "2", "-q", str(script)], cwd=tmp_path, timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["before", "from a thread", "after"], done.stdout  # (2.8-2.10: 2 more)
+
+
+def test_the_supported_range_starts_at_the_floor_and_says_what_each_range_lacks():
+    from click.testing import CliRunner
+
+    from autoddp.cli import main
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "setup.cfg")) as file:
+        assert "torch>=2.4\n" in file.read() and _compat.SUPPORTED[0][0] == (2, 4)
+    with open(os.path.join(root, "README.md")) as file:
+        assert 'Supported torch: 2.4 and newer; `strategy="fsdp"` (FSDP2) needs 2.6' in file.read()
+    assert _compat.support_verdict("2.3.1") == "unsupported: autoddp needs torch >= 2.4; upgrade torch"
+    assert "without strategy='fsdp' (FSDP2 needs torch >= 2.6 on GPUs" in _compat.support_verdict("2.4.1")
+    assert "without strategy='fsdp' on CPU/gloo" in _compat.support_verdict("2.6.0+cu124")
+    assert _compat.support_verdict("2.7.0") == _compat.support_verdict("2.15.0") == "supported, every feature"
+    assert _compat.support_verdict("2.16.0").endswith("newer than 2.15, the newest tested")
+    report = CliRunner().invoke(main, ["env"]).output
+    assert f"torch        {torch.__version__} ({_compat.support_verdict()})" in report, report

@@ -1,7 +1,8 @@
 """Each rank computes on its own GPU: the caller's CUDA tensors and the single-GPU habits of its code.
 
 No GPU here: the CUDA condition is imitated. A ``sitecustomize.py`` on the workers' PYTHONPATH makes
-``torch.cuda.device_count()`` report two GPUs and records the device arguments torch receives
+``torch.cuda.device_count()`` report two GPUs (``is_built()`` False, so that the group is gloo on
+a CUDA build of torch too) and records the device arguments torch receives
 (``torch.cuda.set_device``, ``Tensor.to``/``.cuda`` (where ``Module.to`` ends), ``DataParallel``'s
 ``device_ids``) and every CUDA storage location torch is asked to restore (a deserializer
 registered with ``torch.serialization.register_package``), answering with CPU tensors. The
@@ -58,6 +59,8 @@ if os.environ.get("FAKE_GPUS"):  # (forked workers inherit it from the caller or
 
     serialization.register_package(2, _tag, _restore)  # (the caller's test tagger: 1)
     torch.cuda.device_count = lambda: int(os.environ["FAKE_GPUS"])
+    # gloo, as on a CPU build: a CUDA build would pick NCCL, which aborts a rank without a driver
+    torch.backends.cuda.is_built = lambda: False
     torch.cuda.set_device = lambda device: record("set_device", device)
 
     _tensor_to = torch.Tensor.to

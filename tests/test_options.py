@@ -25,7 +25,8 @@ def test_the_decorator_the_command_and_the_readme_come_from_one_list():
         param = command[flag.name]
         assert param.default == (None if flag.default == () else flag.default) and param.help == flag.help
         assert {*param.opts, *param.secondary_opts} == {s for f in flag.flags for s in f.split("/")}
-    assert set(command) - {"script", "script_args", "version"} == {f.name for f in options.command_flags()}
+    eager = {"version", "print_completion"}  # click's actions, not run options
+    assert set(command) - {"script", "script_args", *eager} == {f.name for f in options.command_flags()}
     helped = CliRunner().invoke(main, ["--help"]).output
     for flag in options.command_flags():
         assert flag.flags[0].split("/")[0] in helped
@@ -41,8 +42,25 @@ def test_the_command_checks_its_values_with_the_decorators_rules(tmp_path):
     runner = CliRunner()
     for args, says in [
         (["--cpu-offload", str(script)], "--cpu-offload are FSDP's options: add --strategy 'fsdp'"),
-        (["--strategy", "zero", str(script)], "zero"),
-        (["--mixed-precision", "fp8", "--strategy", "fsdp", str(script)], "fp8"),
+        (["--strategy", "zero", str(script)], "--strategy 'zero'"),
+        (["--mixed-precision", "fp8", "--strategy", "fsdp", str(script)], "--mixed-precision 'fp8'"),
     ]:
         done = runner.invoke(main, args)
         assert done.exit_code == 2 and done.output.count("\n") == 1 and says in done.output, done.output
+
+
+def test_a_bad_value_of_every_choice_valued_flag_names_the_flag(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("")
+    runner = CliRunner()
+    for flag, value in [
+        ("--strategy", "zero"),
+        ("--start-method", "bogus"),
+        ("--rdzv-backend", "bogus"),
+        ("--ranks", "first"),
+        ("--nproc-per-node", "many"),
+        ("--print-completion", "tcsh"),
+    ]:
+        done = runner.invoke(main, [flag, value, str(script)])
+        assert done.exit_code == 2 and done.output.count("\n") == 1, done.output
+        assert flag in done.output and value in done.output, done.output

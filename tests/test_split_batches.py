@@ -281,6 +281,40 @@ def test_dropout_stays_per_rank_while_every_rank_splits_the_same_batches():
     assert epochs[0] != epochs[1]  # a new order each epoch
 
 
+#: A script seeded at its top (every rank alike): the dropout mask each rank draws at every step.
+SEEDED = """
+import json, os, sys
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+loader = DataLoader(TensorDataset(torch.randn(48, 4), torch.randn(48, 1)), batch_size=12, shuffle=True)
+masks = []
+for x, y in loader:
+    masks.append((nn.functional.dropout(torch.ones(16), 0.5) > 0).int().tolist())
+    loss = nn.functional.mse_loss(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+with open(sys.argv[1] + os.environ.get("RANK", ""), "w") as file:
+    json.dump(masks, file)
+"""
+
+
+def test_ranks_of_a_script_seeded_alike_draw_their_own_dropout_masks(tmp_path):
+    script = write(tmp_path / "seeded.py", SEEDED)
+    one = run_python([str(script), str(tmp_path / "one")], cwd=tmp_path)
+    split = ["-m", "autoddp.cli", "-q", "-n", "3", "--split-batches"]
+    many = run_python([*split, str(script), str(tmp_path / "many")], cwd=tmp_path)
+    assert one.returncode == 0 and many.returncode == 0, one.stderr + many.stderr
+    masks = [json.loads((tmp_path / f"many{rank}").read_text()) for rank in range(3)]
+    assert masks[0][0] == json.loads((tmp_path / "one").read_text())[0]  # rank 0: one process's stream
+    assert masks[1] != masks[2] and masks[0] != masks[1] and masks[0] != masks[2]  # each rank its own
+
+
 # -- what cannot be split ---------------------------------------------------------------------------
 
 

@@ -167,12 +167,17 @@ def test_every_torchrun_flag_is_taken_or_refused_in_one_line():
         (["--rdzv-backend", "etcd", "x.py"], "--rdzv-backend etcd is torchrun's"),
         (["--start-method", "forkserver", "x.py"], "use fork or spawn"),
         (["--max-restarts", "x", "x.py"], "invalid value for '--max-restarts'"),
+        (["--log_line_prefix_template", "${rank}", "x.py"], "--log-line-prefix-template is a torchrun"),
+        (["--print-completion", "tcsh", "x.py"], "completion scripts (click's) are for bash, zsh, fish"),
         (["--max-restarts", "-1", "x.py"], "-1 is not in the range"),
         (["--rdzv-conf", "join_timeout=5", __file__], "--rdzv-conf is for a run on several machines"),
         (["--local-addr", "10.0.0.1", __file__], "--local-addr is for a run on several machines"),
     ]:
         done = runner.invoke(main, args)
         assert done.exit_code == 2 and done.output.count("\n") == 1 and says in done.output, done.output
+    for shell in ("bash", "zsh", "fish"):  # torchrun's --print-completion: a script to source, then exit
+        done = runner.invoke(main, ["--print_completion", shell, "never-run.py"])
+        assert done.exit_code == 0 and f"_AUTODDP_COMPLETE={shell}_" in done.output, done.output
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the one-process line is about a machine without GPUs")

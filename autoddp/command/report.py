@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from autoddp import environment
+from autoddp import _compat, environment
 from autoddp.environment import hardware, network
 from autoddp.errors import ConfigurationError
 from autoddp.state import World
@@ -67,7 +67,7 @@ def describe(
     versions = [
         ("python", _safe(_python)),
         ("platform", _safe(platform.platform)),
-        ("torch", _safe(lambda: torch.__version__)),
+        ("torch", _safe(lambda: f"{torch.__version__} ({_compat.support_verdict()})")),
         ("CUDA", _safe(_cuda_version)),
         ("NCCL", _safe(_nccl_version)),
         ("distributed", _safe(_distributed_backends)),

@@ -1,4 +1,5 @@
-"""Every flag of torch 2.13's ``torchrun --help`` and what the ``autoddp`` command does with it.
+"""Every flag of ``torchrun --help`` (torch 2.13, and 2.15's new ``--log-line-prefix-template`` and
+``--print-completion``) and what the ``autoddp`` command does with it.
 
 A torchrun command pasted after ``autoddp`` either works as it did under torchrun or stops with one
 line that names the flag as torchrun's and says what autoddp does instead: never a silent no-op,
@@ -31,6 +32,7 @@ TAKEN = {
     "--master-addr": "node 0's address; on one machine the store listens there (an address of it)",
     "--master-port": "node 0's port; on one machine the store's port (workers' MASTER_PORT)",
     "--local-addr": "the address other machines reach this one by (several machines; one: refused)",
+    "--print-completion": "torch >= 2.15: the command's completion script for bash, zsh or fish, then exit",
 }
 
 #: Short spellings torchrun has beside the long ones above.
@@ -52,6 +54,8 @@ REFUSED = {
     "--numa-binding": "autoddp binds no worker to CPUs; drop it, or bind with numactl inside the job",
     "--signals-to-handle": "autoddp stops every worker on SIGTERM, SIGINT, SIGHUP and SIGQUIT; drop it",
     "--shutdown-timeout": "autoddp gives workers 5 seconds after SIGTERM before SIGKILL; drop it",
+    "--log-line-prefix-template": "torchrun prefixes the lines of --tee with it, and autoddp takes no "
+    "--tee: --ranks all shows every rank, each line prefixed [rank N]; drop it",
     "--virtual-local-rank": "autoddp pins each process to its own GPU itself (LOCAL_RANK stays the GPU "
     "index); drop it",
 }

@@ -6,7 +6,8 @@ hands rank r the r-th contiguous, near-equal part of every batch. The order is t
 process's: at the start of each pass rank 0 draws it from its own random states, those the
 user's code set up (``torch.manual_seed`` at the top; in a decorated function, rank 0 continues
 the caller's states), and every other rank draws from a copy of rank 0's states, so all agree
-whatever their own streams hold (dropout stays per rank). A rank whose part is empty (a last
+whatever their own streams hold; then rank 0 goes on with one process's streams and every other
+rank with its own (dropout stays per rank, see ``_drawing``). A rank whose part is empty (a last
 batch smaller than the world) gets the batch's first sample with a weight of 0: every rank
 takes part in every step, so nothing waits, and that sample counts for nothing.
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import pickle
 from collections.abc import Iterator
 from typing import Any
 
@@ -109,24 +109,23 @@ def _drawing(rank: int, first: bool, private: tuple | None) -> Iterator[list[Any
     """The random states a part of the draw runs under; yields a list that holds, after the block,
     the states to continue from.
 
-    The first part of a pass: rank 0 draws from its own states, as one process would, and the
-    others from a copy of them (a rank whose states were rank 0's, a script seeded alike, keeps
-    the advanced copy: its streams stay rank 0's, as one process's). Later parts: every rank,
-    rank 0 too, draws from the states the first part left, swapped in, so that all agree whatever
-    the user's code draws between batches.
+    The first part of a pass: rank 0 draws from its own states, as one process would, and keeps
+    the advanced states (one process's); the others draw from a copy of them, then go on with
+    streams seeded from their own states and their rank (``streams.seed_apart``): ranks seeded
+    alike (a script's ``torch.manual_seed(0)``) still draw their own dropout and augmentation.
+    Later parts: every rank, rank 0 too, draws from the states the first part left, swapped in,
+    so that all agree whatever the user's code draws between batches.
     """
     found: list[Any] = [None]
     own = streams.states()
     if first:
-        leading = _broadcast(own if rank == 0 else None)
-        same = rank == 0 or _same(own, leading)
-        streams.set_states(leading)
+        streams.set_states(_broadcast(own if rank == 0 else None))
         try:
             yield found
         finally:
             found[0] = streams.states()
-            if not same:
-                streams.set_states(own)
+            if rank != 0:
+                streams.seed_apart(own, rank)
         return
     assert private is not None
     streams.set_states(private)
@@ -135,10 +134,6 @@ def _drawing(rank: int, first: bool, private: tuple | None) -> Iterator[list[Any
     finally:
         found[0] = streams.states()
         streams.set_states(own)
-
-
-def _same(a: tuple, b: tuple) -> bool:
-    return pickle.dumps(a) == pickle.dumps(b)
 
 
 def _broadcast(states: tuple | None) -> tuple:

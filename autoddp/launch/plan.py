@@ -58,7 +58,7 @@ def plan(
         return Nodes()
     backend = rdzv_backend or ("c10d" if rdzv_endpoint and not master else "static")
     if backend not in RDZV_BACKENDS:
-        raise ConfigurationError(f"unknown rendezvous backend {backend!r}: use 'static' or 'c10d'")
+        raise ConfigurationError(f"unknown rdzv_backend={backend!r}: use 'static' or 'c10d'")
     endpoint = rdzv_endpoint or master
     if not endpoint:
         raise ConfigurationError(

@@ -21,7 +21,7 @@ def choose_start_method(requested: str, backend: Backend | None = None) -> tuple
     """Resolve ``start_method`` to ``"fork"`` or ``"spawn"``, with the reason for the choice."""
     if requested not in START_METHODS:
         raise ConfigurationError(
-            f"unknown start_method {requested!r}: use 'auto' (default), 'fork' or 'spawn'"
+            f"unknown start_method={requested!r}: use 'auto' (default), 'fork' or 'spawn'"
         )
     fork_ok, why = _fork_is_safe()
     if requested == "fork":

@@ -29,7 +29,7 @@ def strategy_named(name: str) -> Strategy:
         return STRATEGIES[name]
     except KeyError:
         raise ConfigurationError(
-            f"unknown strategy {name!r}: use one of {', '.join(map(repr, STRATEGIES))}"
+            f"unknown strategy={name!r}: use one of {', '.join(map(repr, STRATEGIES))}"
         ) from None
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from autoddp import _compat
 from autoddp.errors import ConfigurationError
 from autoddp.state import CURRENT, RunOptions, World
 
@@ -35,7 +36,7 @@ def resolve_backend(requested: str | None, gpus: int) -> Backend:
     choice = "auto" if requested is None else str(requested).lower()
     if choice not in BACKENDS:
         raise ConfigurationError(
-            f"unknown backend {requested!r}: use one of {', '.join(map(repr, BACKENDS))} "
+            f"unknown backend={requested!r}: use one of {', '.join(map(repr, BACKENDS))} "
             "(or leave it unset for NCCL on GPUs and gloo on CPU)"
         )
     if choice == "nccl" and gpus == 0:
@@ -197,6 +198,7 @@ def _init_group(world: World, backend: Backend, device: str, timeout: datetime.t
     if world.local_world_size < world.world_size:
         _name_interface(world)
     arguments = group_arguments(world, backend, device, timeout)
+    _compat.quiet_gloo_connections()  # (the user's own groups too, from here on)
     try:
         dist.init_process_group(store=_fresh_store(world, arguments["timeout"]), **arguments)
     except dist.DistNetworkError as error:

@@ -162,6 +162,7 @@ def main(leave_groups_at_exit: bool = True, kept: KeptGroups | None = None) -> N
     of the script's DDP models, released by the caller after the atexit hooks (else at exit here).
     """
     process.die_with_parent()
+    _compat.quiet_gloo_connections()  # the script's own process groups too
     run_folder = os.environ.get("AUTODDP_RUN_FOLDER")
     if run_folder:  # a worker of autoddp's launcher (srun, mpirun: their own stdin and stacks)
         process.give_stdin(int(os.environ.get("RANK", "0")))

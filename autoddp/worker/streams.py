@@ -38,17 +38,28 @@ class Streams:
 def of_caller(keep: bool = False) -> Streams:
     """The caller's random states, digested (nothing is drawn from them); ``keep``: the states too,
     for rank 0 to continue them as one process would (``split_batches``)."""
-    numpy = sys.modules.get("numpy")
+    held = states()
+    return _digested(held, pickle.dumps(held, protocol=pickle.HIGHEST_PROTOCOL) if keep else None)
+
+
+def _digested(held: tuple, kept: bytes | None = None) -> Streams:
+    """``Streams`` of states as ``states()`` returns them (digests: nothing is drawn from them)."""
     numpy_state = None
-    if numpy is not None:
-        numpy_state = _digest(pickle.dumps(numpy.random.get_state(), protocol=pickle.HIGHEST_PROTOCOL))
+    if held[2] is not None:
+        numpy_state = _digest(pickle.dumps(held[2], protocol=pickle.HIGHEST_PROTOCOL))
     return Streams(
-        torch_state=_digest(torch.get_rng_state().numpy().tobytes()),
-        python_state=_digest(pickle.dumps(random.getstate(), protocol=pickle.HIGHEST_PROTOCOL)),
+        torch_state=_digest(held[0].numpy().tobytes()),
+        python_state=_digest(pickle.dumps(held[1], protocol=pickle.HIGHEST_PROTOCOL)),
         numpy_state=numpy_state,
         torch_initial_seed=torch.initial_seed(),
-        states=pickle.dumps(states(), protocol=pickle.HIGHEST_PROTOCOL) if keep else None,
+        states=kept,
     )
+
+
+def seed_apart(held: tuple, rank: int) -> None:
+    """Seed torch, ``random`` and NumPy from states ``held`` (as ``states()`` returns them) and
+    ``rank``: ranks that held the same states draw apart from here on, repeatably."""
+    seed_worker(_digested(held), rank)
 
 
 def states() -> tuple:
