@@ -9,6 +9,7 @@ upgrade that breaks one fails there, loudly, before it can fail a user's run.
 from __future__ import annotations
 
 import atexit
+import functools
 import sys
 from typing import Any
 
@@ -31,6 +32,61 @@ def _need(owner: Any, name: str, what: str) -> Any:
             "this torch release changed an internal autoddp relies on. Use a torch version autoddp "
             "supports, or report it to autoddp with this message"
         ) from None
+
+
+#: Releases that changed what autoddp relies on (tests/test_compat.py checks each line, both sides).
+LIBUV_LISTEN_FD = (2, 8)  # the libuv TCPStore takes a listening socket (pytorch#150215)
+GROUP_FREED_WITHOUT_GIL = (2, 8)  # a ProcessGroup dropped from Python lets go of the GIL (#154976)
+STORE_ERRORS_TYPED = (2, 10)  # DistNetworkError (2.6: RuntimeError; 2.7-2.9 unchecked, its base)
+ACCELERATOR = (2, 6)  # torch.accelerator
+FSDP2 = (2, 6)  # torch.distributed.fsdp.fully_shard
+FSDP2_ON_CPU = (2, 7)  # torch.cpu.Stream.record_event, which FSDP2 calls on every device
+
+
+def torch_at_least(release: tuple[int, int]) -> bool:
+    """Whether the installed torch is ``release`` (major, minor) or newer (a pre-release counts)."""
+    major, minor = torch.__version__.split(".")[:2]
+    return (int(major), int(minor)) >= release
+
+
+def store_listening_on_socket() -> dict[str, Any]:
+    """What a ``TCPStore`` given a bound socket (``master_listen_fd``) needs: before torch 2.8 the
+    libuv backend (the default since 2.4) refuses one, the classic backend takes it."""
+    return {} if torch_at_least(LIBUV_LISTEN_FD) else {"use_libuv": False}
+
+
+def store_address_in_use() -> type[Exception]:
+    """What rank 0's store raises when its port is taken (its message says EADDRINUSE)."""
+    import torch.distributed as dist
+
+    typed = torch_at_least(STORE_ERRORS_TYPED)
+    return _need(dist, "DistNetworkError", "to tell a port in use") if typed else RuntimeError
+
+
+def accelerator() -> Any:
+    """``torch.accelerator`` (torch >= 2.6), or None on a torch that has none."""
+    what = "to see a script choose its GPU through torch.accelerator"
+    return _need(torch, "accelerator", what) if torch_at_least(ACCELERATOR) else None
+
+
+def fsdp2_release(device_type: str | None) -> tuple[int, int] | None:
+    """The torch release FSDP2 needs on ``device_type`` (None: on GPUs), or None where this one has it."""
+    if not torch_at_least(FSDP2):
+        return FSDP2
+    if device_type == "cpu" and not torch_at_least(FSDP2_ON_CPU):
+        return FSDP2_ON_CPU
+    return None
+
+
+def backends_to_outlive(group: Any) -> list[Any]:
+    """The backends of ``group`` that must outlive it (held while it goes, dropped after it); none
+    where dropping the group is safe (torch >= 2.8). Before, a ``ProcessGroup`` dropped from Python
+    frees its backends with the GIL held, and gloo's destructor waits for its threads, one of which
+    may wait for the GIL to free a finished work holding a Python object: a deadlock. A backend's
+    own Python object lets go of the GIL before destroying it, so gloo's threads end cleanly."""
+    if torch_at_least(GROUP_FREED_WITHOUT_GIL):
+        return []
+    return _backends(group, "to end gloo's threads without a deadlock")
 
 
 def cuda_in_bad_fork() -> bool:
@@ -142,14 +198,17 @@ def compile_in_place(module: torch.nn.Module, context: Any) -> None:
     """Make ``module``'s own calls compiled with ``context``, as ``torch.compile(module)`` did.
 
     ``Module.compile()`` does the same through these internals; dynamo does not trace torch.nn's
-    own ``_call_impl`` frame unless wrapped with ``wrap_inline``, as torch.compile wraps it.
+    own ``_call_impl`` frame unless wrapped with ``wrap_inline``, as torch.compile wraps it. The
+    call is the class's ``_call_impl`` given the module, not its bound method: torch 2.4's dynamo
+    does not inline a built-in layer's bound call and recurses into it forever (one graph on
+    every release this way).
     """
     from torch._dynamo import external_utils
 
     wrap_inline = _need(external_utils, "wrap_inline", "to keep a model's torch.compile compilation")
-    call_impl = _need(module, "_call_impl", "to keep a model's torch.compile compilation")
+    call_impl = _need(type(module), "_call_impl", "to keep a model's torch.compile compilation")
     _need(module, "_compiled_call_impl", "to keep a model's torch.compile compilation")
-    module._compiled_call_impl = context(wrap_inline(call_impl))
+    module._compiled_call_impl = context(wrap_inline(functools.partial(call_impl, module)))
 
 
 def compile_result_calling(module: torch.nn.Module) -> torch.nn.Module | None:
@@ -213,7 +272,12 @@ def collectives_issued() -> int:
     import torch.distributed as dist
 
     what = "to count the group's collectives"
-    group = _need(dist.distributed_c10d, "_get_default_group", what)()
+    backends = _backends(_need(dist.distributed_c10d, "_get_default_group", what)(), what)
+    return sum(int(_need(b, "_get_sequence_number_for_group", what)()) for b in backends)
+
+
+def _backends(group: Any, what: str) -> list[Any]:
+    """The backends of ``group`` (gloo's, NCCL's), each once."""
     get_backend = _need(group, "_get_backend", what)
     backends: dict[int, Any] = {}
     for device in ("cpu", "cuda"):
@@ -222,7 +286,7 @@ def collectives_issued() -> int:
         except (RuntimeError, ValueError):  # no backend for that device type
             continue
         backends[id(backend)] = backend
-    return sum(int(_need(b, "_get_sequence_number_for_group", what)()) for b in backends.values())
+    return list(backends.values())
 
 
 def batches_drawn(iterator: Any) -> int:

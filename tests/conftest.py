@@ -12,7 +12,9 @@ import time
 import psutil
 import pytest
 
+from autoddp.errors import ConfigurationError
 from autoddp.launch.contract import TORCHRUN_VARIABLES
+from autoddp.models import fsdp_api
 
 
 @pytest.fixture(autouse=True)
@@ -92,3 +94,17 @@ def run_python(
 def write(path, text: str):
     path.write_text(textwrap.dedent(text))
     return path
+
+
+def _fsdp_missing() -> str | None:
+    """Why strategy="fsdp" cannot run here (on CPU, as these tests do): autoddp's own error, or None."""
+    try:
+        fsdp_api("cpu")
+    except ConfigurationError as error:
+        return str(error)
+    return None
+
+
+#: Marks a test that shards a model on CPU: skipped, with the torch it needs, where FSDP2 lacks.
+FSDP_MISSING = _fsdp_missing()
+needs_fsdp = pytest.mark.skipif(FSDP_MISSING is not None, reason=FSDP_MISSING or "")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 
 import pytest
 import torch
@@ -89,15 +90,19 @@ def test_loader_iterator_appears_once_persistent_workers_start():
 
 
 def test_compiled_parts_and_compiling_the_module_in_place():
-    plain = torch.nn.Linear(3, 2)
+    from torch._dynamo.testing import CompileCounter
+
+    plain = torch.nn.Linear(3, 2)  # a built-in layer (torch 2.4 recursed forever on its bound call)
     assert _compat.compiled_parts(plain) is None
-    compiled = torch.compile(plain, backend="eager")
+    counter = CompileCounter()
+    compiled = torch.compile(plain, backend=counter)
     inner, context = _compat.compiled_parts(compiled)
     assert inner is plain
     _compat.compile_in_place(inner, context)
     assert inner._compiled_call_impl is not None
     x = torch.randn(4, 3)
     assert torch.equal(inner(x), torch.nn.functional.linear(x, plain.weight, plain.bias))
+    assert torch.equal(inner(x), inner(x)) and counter.frame_count == 1  # one graph, reused
 
 
 def test_the_compile_result_calling_a_module_is_found_from_inside_its_call():
@@ -244,3 +249,89 @@ def test_loss_reduction_reads_a_losss_graph_through_scalings():
     assert _compat.loss_reduction(F.cross_entropy(out, torch.tensor([0, 1, -100, 0]))) == "weighted mean"
     assert _compat.loss_reduction(F.cross_entropy(out, y, ignore_index=7)) == "mean"  # none ignored
     assert _compat.loss_reduction(torch.tensor(1.0)) is None
+
+
+# --- the torch releases that changed something: each line checked on the side this torch is -------
+
+
+def test_torch_at_least_reads_the_installed_release():
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    assert _compat.torch_at_least((major, minor)) and _compat.torch_at_least((2, 4))
+    assert not _compat.torch_at_least((major, minor + 1)) and not _compat.torch_at_least((major + 1, 0))
+
+
+def test_a_store_takes_over_a_bound_socket_with_what_this_torch_needs():
+    import socket
+
+    def store_on(listener, **extra):
+        port = listener.getsockname()[1]
+        return dist.TCPStore(
+            "127.0.0.1", port, 1, True, wait_for_workers=False, master_listen_fd=listener.fileno(), **extra
+        )
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    store = store_on(listener, **_compat.store_listening_on_socket())
+    listener.detach()  # (the store owns the socket now)
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+    del store
+    if not _compat.torch_at_least(_compat.LIBUV_LISTEN_FD):  # the default backend refuses one here
+        assert _compat.store_listening_on_socket() == {"use_libuv": False}
+        with socket.create_server(("127.0.0.1", 0)) as listener, pytest.raises(NotImplementedError):
+            store_on(listener)
+    else:
+        assert _compat.store_listening_on_socket() == {}
+
+
+def test_a_taken_port_is_the_error_this_torch_raises_for_it():
+    import datetime
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        url = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        with pytest.raises(RuntimeError, match="EADDRINUSE") as raised:
+            next(dist.rendezvous(url, 0, 2, timeout=datetime.timedelta(seconds=5)))
+    assert isinstance(raised.value, _compat.store_address_in_use())
+    if _compat.torch_at_least(_compat.STORE_ERRORS_TYPED):
+        assert _compat.store_address_in_use() is dist.DistNetworkError
+    elif not _compat.torch_at_least((2, 7)):  # (2.7 to 2.9 unchecked: RuntimeError is its base)
+        assert type(raised.value) is RuntimeError
+
+
+def test_the_accelerator_module_where_torch_has_one():
+    if _compat.torch_at_least(_compat.ACCELERATOR):
+        assert _compat.accelerator() is torch.accelerator
+    else:
+        assert _compat.accelerator() is None and not hasattr(torch, "accelerator")
+
+
+def test_fsdp2_is_said_missing_exactly_where_torch_lacks_it():
+    from torch.distributed import fsdp
+
+    has_fully_shard = hasattr(fsdp, "fully_shard")
+    stream_records = hasattr(torch.cpu.Stream, "record_event")
+    assert _compat.torch_at_least(_compat.FSDP2) == has_fully_shard
+    assert _compat.torch_at_least(_compat.FSDP2_ON_CPU) == stream_records
+    if not has_fully_shard:
+        assert _compat.fsdp2_release(None) == _compat.fsdp2_release("cpu") == _compat.FSDP2
+    elif not stream_records:
+        assert _compat.fsdp2_release(None) is None and _compat.fsdp2_release("cpu") == _compat.FSDP2_ON_CPU
+    else:
+        assert _compat.fsdp2_release(None) is _compat.fsdp2_release("cpu") is None
+    needed = _compat.fsdp2_release(None if torch.cuda.device_count() else "cpu")
+    if needed is not None:  # the user's error names the release
+        release = re.escape(".".join(map(str, needed)))
+        with pytest.raises(autoddp.ConfigurationError, match=f"from torch {release};.*'torch>={release}'"):
+            autoddp.distributed(nproc=2, strategy="fsdp")
+
+
+def test_a_groups_backends_outlive_it_where_dropping_it_holds_the_gil():
+    @autoddp.distributed(nproc=2)
+    def backends():
+        group = dist.group.WORLD
+        return [type(backend).__name__ for backend in _compat.backends_to_outlive(group)]
+
+    if _compat.torch_at_least(_compat.GROUP_FREED_WITHOUT_GIL):
+        assert backends() == []
+    else:
+        assert backends() == ["ProcessGroupGloo"]
