@@ -74,9 +74,7 @@ def fsdp2_release(device_type: str | None) -> tuple[int, int] | None:
     """The torch release FSDP2 needs on ``device_type`` (None: on GPUs), or None where this one has it."""
     if not torch_at_least(FSDP2):
         return FSDP2
-    if device_type == "cpu" and not torch_at_least(FSDP2_ON_CPU):
-        return FSDP2_ON_CPU
-    return None
+    return FSDP2_ON_CPU if device_type == "cpu" and not torch_at_least(FSDP2_ON_CPU) else None
 
 
 def backends_to_outlive(group: Any) -> list[Any]:
