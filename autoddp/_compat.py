@@ -39,6 +39,7 @@ LIBUV_LISTEN_FD = (2, 8)  # the libuv TCPStore takes a listening socket (pytorch
 GROUP_FREED_WITHOUT_GIL = (2, 8)  # a ProcessGroup dropped from Python lets go of the GIL (#154976)
 STORE_ERRORS_TYPED = (2, 10)  # DistNetworkError (2.6: RuntimeError; 2.7-2.9 unchecked, its base)
 ACCELERATOR = (2, 6)  # torch.accelerator
+GLOO_LAZY_INIT = (2, 8)  # gloo reads TORCH_GLOO_LAZY_INIT (pytorch#150801)
 TORCHRUN_SIGNALS = (2, 9)  # torchrun gives TORCHELASTIC_SIGNALS_TO_HANDLE (pytorch#160690)
 FSDP2 = (2, 6)  # torch.distributed.fsdp.fully_shard
 FSDP2_ON_CPU = (2, 7)  # torch.cpu.Stream.record_event, which FSDP2 calls on every device

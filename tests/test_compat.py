@@ -335,3 +335,14 @@ def test_a_groups_backends_outlive_it_where_dropping_it_holds_the_gil():
         assert backends() == []
     else:
         assert backends() == ["ProcessGroupGloo"]
+
+
+def test_torchrun_gives_the_signals_variable_from_its_release():
+    import inspect
+
+    from torch.distributed.launcher import api
+
+    # (tests/test_torchrun_contract.py compares the variables themselves; GLOO_LAZY_INIT's line is
+    # checked by tests/test_gpu_group.py, through the connections a lazy group holds)
+    given = "TORCHELASTIC_SIGNALS_TO_HANDLE" in inspect.getsource(api)
+    assert given == _compat.torch_at_least(_compat.TORCHRUN_SIGNALS)
