@@ -51,9 +51,12 @@ def torch_at_least(release: tuple[int, int]) -> bool:
     return (int(major), int(minor)) >= release
 
 
+#: Where DTensor lives (public from torch 2.5; before, in ``torch.distributed._tensor``).
+DTENSOR_MODULE = "torch.distributed.tensor" if torch_at_least((2, 5)) else "torch.distributed._tensor"
+
+
 def store_listening_on_socket() -> dict[str, Any]:
-    """What a ``TCPStore`` given a bound socket (``master_listen_fd``) needs: before torch 2.8 the
-    libuv backend (the default since 2.4) refuses one, the classic backend takes it."""
+    """What a ``TCPStore`` given a bound socket needs: the classic backend before 2.8 (libuv refuses)."""
     return {} if torch_at_least(LIBUV_LISTEN_FD) else {"use_libuv": False}
 
 
@@ -79,11 +82,9 @@ def fsdp2_release(device_type: str | None) -> tuple[int, int] | None:
 
 
 def backends_to_outlive(group: Any) -> list[Any]:
-    """The backends of ``group`` that must outlive it (held while it goes, dropped after it); none
-    where dropping the group is safe (torch >= 2.8). Before, a ``ProcessGroup`` dropped from Python
-    frees its backends with the GIL held, and gloo's destructor waits for its threads, one of which
-    may wait for the GIL to free a finished work holding a Python object: a deadlock. A backend's
-    own Python object lets go of the GIL before destroying it, so gloo's threads end cleanly."""
+    """The backends of ``group`` that must outlive it (held while it goes, dropped after it): before
+    2.8 a dropped ``ProcessGroup`` frees them with the GIL held while a gloo thread may wait for it
+    (a deadlock); a backend's own Python object lets go of the GIL as it ends gloo's threads."""
     if torch_at_least(GROUP_FREED_WITHOUT_GIL):
         return []
     return _backends(group, "to end gloo's threads without a deadlock")

@@ -346,3 +346,12 @@ def test_torchrun_gives_the_signals_variable_from_its_release():
     # checked by tests/test_gpu_group.py, through the connections a lazy group holds)
     given = "TORCHELASTIC_SIGNALS_TO_HANDLE" in inspect.getsource(api)
     assert given == _compat.torch_at_least(_compat.TORCHRUN_SIGNALS)
+
+
+def test_dtensor_is_looked_for_where_this_torch_defines_it():
+    import importlib
+
+    module = importlib.import_module(_compat.DTENSOR_MODULE)
+    assert module.DTensor.__module__.startswith(_compat.DTENSOR_MODULE)
+    if not _compat.torch_at_least((2, 5)):  # (the public module exists, without DTensor)
+        assert not hasattr(importlib.import_module("torch.distributed.tensor"), "DTensor")

@@ -88,8 +88,8 @@ def step():
     opt.step()
 step()
 torch.save(model, "model.pt")
-with torch.serialization.safe_globals([Net, nn.Linear, nn.LSTM]):  # torch.load's weights-only default
-    loaded = torch.load("model.pt")
+torch.serialization.add_safe_globals([Net, nn.Linear, nn.LSTM])  # (safe_globals: torch >= 2.5)
+loaded = torch.load("model.pt", weights_only=True)  # (the default from torch 2.6)
 with zipfile.ZipFile("model.pt") as z:
     pickled = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
 torch.manual_seed(dist.get_rank() if dist.is_initialized() else 0)
