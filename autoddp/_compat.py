@@ -40,6 +40,7 @@ GROUP_FREED_WITHOUT_GIL = (2, 8)  # a ProcessGroup dropped from Python lets go o
 STORE_ERRORS_TYPED = (2, 10)  # DistNetworkError (2.6: RuntimeError; 2.7-2.9 unchecked, its base)
 ACCELERATOR = (2, 6)  # torch.accelerator
 GLOO_LAZY_INIT = (2, 8)  # gloo reads TORCH_GLOO_LAZY_INIT (pytorch#150801)
+WEIGHTS_ONLY_SETS = (2, 6)  # torch.load(weights_only=True) takes a set (every Module pickles one)
 TORCHRUN_SIGNALS = (2, 9)  # torchrun gives TORCHELASTIC_SIGNALS_TO_HANDLE (pytorch#160690)
 FSDP2 = (2, 6)  # torch.distributed.fsdp.fully_shard
 FSDP2_ON_CPU = (2, 7)  # torch.cpu.Stream.record_event, which FSDP2 calls on every device
@@ -70,8 +71,7 @@ def store_address_in_use() -> type[Exception]:
 
 def accelerator() -> Any:
     """``torch.accelerator`` (torch >= 2.6), or None on a torch that has none."""
-    what = "to see a script choose its GPU through torch.accelerator"
-    return _need(torch, "accelerator", what) if torch_at_least(ACCELERATOR) else None
+    return _need(torch, "accelerator", "to see a script pick a GPU") if torch_at_least(ACCELERATOR) else None
 
 
 def fsdp2_release(device_type: str | None) -> tuple[int, int] | None:

@@ -355,3 +355,16 @@ def test_dtensor_is_looked_for_where_this_torch_defines_it():
     assert module.DTensor.__module__.startswith(_compat.DTENSOR_MODULE)
     if not _compat.torch_at_least((2, 5)):  # (the public module exists, without DTensor)
         assert not hasattr(importlib.import_module("torch.distributed.tensor"), "DTensor")
+
+
+def test_weights_only_loading_takes_a_set_from_its_release():
+    import io
+
+    buffer = io.BytesIO()
+    torch.save({"kept": {1, 2}}, buffer)
+    buffer.seek(0)
+    if _compat.torch_at_least(_compat.WEIGHTS_ONLY_SETS):
+        assert torch.load(buffer, weights_only=True) == {"kept": {1, 2}}
+    else:
+        with pytest.raises(Exception, match="builtins.set"):
+            torch.load(buffer, weights_only=True)

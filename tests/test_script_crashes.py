@@ -11,6 +11,7 @@ import zipfile
 
 import pytest
 
+from autoddp import _compat
 from conftest import run_python, write
 
 #: Runs of 2 processes, several at once (spawned loader workers, compiles): slow on a busy machine.
@@ -121,6 +122,10 @@ model = Net()
 """
 
 
+@pytest.mark.skipif(
+    not _compat.torch_at_least(_compat.WEIGHTS_ONLY_SETS),
+    reason="this torch's weights-only torch.load refuses the set every nn.Module pickles (torch >= 2.6)",
+)
 @pytest.mark.parametrize("net", [NET, RNN_NET], ids=["linear", "lstm"])
 def test_a_saved_model_is_the_file_one_process_writes_and_loads_weights_only(tmp_path, net):
     (tmp_path / "one").mkdir()
