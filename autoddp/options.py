@@ -202,6 +202,7 @@ class Options:
         for name in ("sync_batchnorm", "capture", "cpu_offload", "split_batches"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigurationError(f"{name}={getattr(self, name)!r} must be True or False")
+        models.check_available(self.strategy)
         self.output.shown(self.nproc or max(hardware.gpu_count(), 1))  # ranks=, log_dir= as well
 
     @classmethod

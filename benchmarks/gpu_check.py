@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import autoddp
-from autoddp import models
+from autoddp import ConfigurationError, models
 from autoddp.models.ddp import ddp_of
 from autoddp.state import CURRENT, RunOptions, World
 from gpu_processes import Check, captured_script, check, start_probe, touched_checks, untouched_check
@@ -193,7 +193,20 @@ def step_time(device: torch.device) -> tuple[bool, Any]:
     return ratio < RATIO_LIMIT, {**details, "limit": RATIO_LIMIT}
 
 
+def fsdp_missing(device: torch.device) -> str | None:
+    """Why strategy="fsdp" cannot run on ``device`` with this torch (autoddp's error), or None."""
+    try:
+        models.fsdp_api(device.type)
+    except ConfigurationError as error:
+        return str(error)
+    return None
+
+
 def fsdp_checks(device: torch.device) -> list[Check]:
+    missing = fsdp_missing(device)
+    if missing is not None:
+        return [check("fsdp", lambda: (None, f"not available: {missing}"))]
+
     def sharded() -> tuple[bool, Any]:
         from torch.distributed.tensor import DTensor
 
@@ -326,8 +339,11 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cpu:
         options: dict[str, Any] = {"nproc": 2, "backend": "gloo", "capture": False, "timeout": 240}
         checks = guarded("ddp world", lambda: autoddp.distributed(**options)(world_checks)(compile_too))
-        fsdp = autoddp.distributed(strategy="fsdp", **options)(fsdp_world_checks)
-        checks += guarded("fsdp world", fsdp)
+        if fsdp_missing(torch.device("cpu")) is None:
+            fsdp = autoddp.distributed(strategy="fsdp", **options)(fsdp_world_checks)
+            checks += guarded("fsdp world", fsdp)
+        else:
+            checks += fsdp_checks(torch.device("cpu"))
         checks += [check(method, lambda m=method: _started(m, cuda=False)) for method in ("fork", "spawn")]
         checks.append(check("captured script", lambda: captured_script(cuda=False)))
         where = "2 CPU processes (gloo)"

@@ -105,7 +105,7 @@ def main() -> None:
         f"test accuracy {result['accuracy']:.4f} on {result['tested']} images, "
         f"{result['world_size']} process(es), {seconds:.1f} s"
     )
-    state = torch.load(args.checkpoint)
+    state = torch.load(args.checkpoint, weights_only=True)
     model = CNN()
     model.load_state_dict(state["model"])  # a plain CNN: no "module." prefix
     parameters = sum(p.numel() for p in model.parameters())

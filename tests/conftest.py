@@ -12,7 +12,9 @@ import time
 import psutil
 import pytest
 
+from autoddp.errors import ConfigurationError
 from autoddp.launch.contract import TORCHRUN_VARIABLES
+from autoddp.models import fsdp_api
 
 
 @pytest.fixture(autouse=True)
@@ -125,3 +127,17 @@ def pytest_collection_modifyitems(items):
                 item.add_marker(pytest.mark.xdist_group(group))
         if item.path.name in SMOKE_FILES:
             item.add_marker(pytest.mark.smoke)
+
+
+def _fsdp_missing() -> str | None:
+    """Why strategy="fsdp" cannot run here (on CPU, as these tests do): autoddp's own error, or None."""
+    try:
+        fsdp_api("cpu")
+    except ConfigurationError as error:
+        return str(error)
+    return None
+
+
+#: Marks a test that shards a model on CPU: skipped, with the torch it needs, where FSDP2 lacks.
+FSDP_MISSING = _fsdp_missing()
+needs_fsdp = pytest.mark.skipif(FSDP_MISSING is not None, reason=FSDP_MISSING or "")

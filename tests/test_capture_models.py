@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import autoddp
+from conftest import needs_fsdp
 
 N = 16  # samples: each rank takes its half, one process the whole (mean losses: the same step)
 
@@ -201,6 +202,7 @@ def _read_weights(rank: int, world: int) -> dict:
     }
 
 
+@needs_fsdp
 def test_values_read_from_fsdp_weights_are_the_full_tensors_on_every_rank():
     @autoddp.distributed(nproc=2, strategy="fsdp")
     def train():

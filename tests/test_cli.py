@@ -214,7 +214,9 @@ def test_timeout_bounds_a_plain_scripts_collectives(tmp_path):
         opt.step()
         """,
     )
-    proc = autoddp_cli("-n", "2", "--timeout", "5", str(script), cwd=tmp_path)  # (a loaded machine: 5 s to connect)
+    proc = autoddp_cli(
+        "-n", "2", "--timeout", "5", str(script), cwd=tmp_path
+    )  # (a loaded machine: 5 s to connect)
     assert proc.returncode == 1, proc.stderr
     assert "Timed out waiting 5000ms" in proc.stderr
     assert "rank(s) 1 had not arrived" in proc.stderr and "autoddp --timeout" in proc.stderr

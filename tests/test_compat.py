@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 
 import pytest
 import torch
@@ -106,15 +107,19 @@ def test_loader_iterator_appears_once_persistent_workers_start():
 
 
 def test_compiled_parts_and_compiling_the_module_in_place():
-    plain = torch.nn.Linear(3, 2)
+    from torch._dynamo.testing import CompileCounter
+
+    plain = torch.nn.Linear(3, 2)  # a built-in layer (torch 2.4 recursed forever on its bound call)
     assert _compat.compiled_parts(plain) is None
-    compiled = torch.compile(plain, backend="eager")
+    counter = CompileCounter()
+    compiled = torch.compile(plain, backend=counter)
     inner, context = _compat.compiled_parts(compiled)
     assert inner is plain
     _compat.compile_in_place(inner, context)
     assert inner._compiled_call_impl is not None
     x = torch.randn(4, 3)
     assert torch.equal(inner(x), torch.nn.functional.linear(x, plain.weight, plain.bias))
+    assert torch.equal(inner(x), inner(x)) and counter.frame_count == 1  # one graph, reused
 
 
 def test_the_compile_result_calling_a_module_is_found_from_inside_its_call():
@@ -248,19 +253,24 @@ def test_loss_reduction_reads_a_losss_graph_through_scalings():
     import torch.nn.functional as F
 
     out, y = torch.randn(4, 3, requires_grad=True), torch.tensor([0, 1, 2, 0])
-    assert _compat.loss_reduction(F.cross_entropy(out, y)) == "mean"
-    assert _compat.loss_reduction(F.cross_entropy(out, y, reduction="sum") / 2) == "sum"
-    assert _compat.loss_reduction(F.mse_loss(out, torch.zeros(4, 3), reduction="sum")) == "sum"
-    assert _compat.loss_reduction((out**2).sum()) == "sum"
-    assert _compat.loss_reduction((out**2).mean() * 0.5) == "mean"
-    assert _compat.loss_reduction(out.sum() + out.mean()) is None  # (not said: no warning)
-    assert _compat.loss_reduction(F.cross_entropy(out, y, reduction="sum") + (out**2).sum() * 0.5) == "sum"
-    assert _compat.loss_reduction(F.cross_entropy(out, y) + (out**2).mean()) == "mean"
+    assert _compat.losses.loss_reduction(F.cross_entropy(out, y)) == "mean"
+    assert _compat.losses.loss_reduction(F.cross_entropy(out, y, reduction="sum") / 2) == "sum"
+    assert _compat.losses.loss_reduction(F.mse_loss(out, torch.zeros(4, 3), reduction="sum")) == "sum"
+    assert _compat.losses.loss_reduction((out**2).sum()) == "sum"
+    assert _compat.losses.loss_reduction((out**2).mean() * 0.5) == "mean"
+    assert _compat.losses.loss_reduction(out.sum() + out.mean()) is None  # (not said: no warning)
+    assert (
+        _compat.losses.loss_reduction(F.cross_entropy(out, y, reduction="sum") + (out**2).sum() * 0.5)
+        == "sum"
+    )
+    assert _compat.losses.loss_reduction(F.cross_entropy(out, y) + (out**2).mean()) == "mean"
     weights = torch.tensor([1.0, 2.0, 3.0])
-    assert _compat.loss_reduction(F.cross_entropy(out, y, weight=weights)) == "weighted mean"
-    assert _compat.loss_reduction(F.cross_entropy(out, torch.tensor([0, 1, -100, 0]))) == "weighted mean"
-    assert _compat.loss_reduction(F.cross_entropy(out, y, ignore_index=7)) == "mean"  # none ignored
-    assert _compat.loss_reduction(torch.tensor(1.0)) is None
+    assert _compat.losses.loss_reduction(F.cross_entropy(out, y, weight=weights)) == "weighted mean"
+    assert (
+        _compat.losses.loss_reduction(F.cross_entropy(out, torch.tensor([0, 1, -100, 0]))) == "weighted mean"
+    )
+    assert _compat.losses.loss_reduction(F.cross_entropy(out, y, ignore_index=7)) == "mean"  # none ignored
+    assert _compat.losses.loss_reduction(torch.tensor(1.0)) is None
 
 
 #: A torchrun-style script whose rank 0 prints from a thread while gloo connects a new group.
@@ -280,7 +290,7 @@ print("after", flush=True)
 
 
 def test_gloo_connection_lines_stay_out_of_the_users_stdout(tmp_path):
-    assert _compat.release("2.10.0+cu128") == (2, 10) and _compat.release("2.8.0") == (2, 8)
+    assert _compat.releases.release("2.10.0+cu128") == (2, 10) and _compat.releases.release("2.8.0") == (2, 8)
     low, high = _compat.GLOO_PRINTS_CONNECTIONS
     assert low == (2, 8) and high == (2, 11)  # torch 2.11's gloo logs the line at INFO, unseen
     assert _compat.GLOO_LINE.match(b"[Gloo] Rank 1 is NOT connected to: [0]\n")
@@ -298,13 +308,147 @@ def test_the_supported_range_starts_at_the_floor_and_says_what_each_range_lacks(
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "setup.cfg")) as file:
-        assert "torch>=2.4\n" in file.read() and _compat.SUPPORTED[0][0] == (2, 4)
+        assert "torch>=2.4\n" in file.read() and _compat.releases.SUPPORTED[0][0] == (2, 4)
     with open(os.path.join(root, "README.md")) as file:
         assert 'Supported torch: 2.4 and newer; `strategy="fsdp"` (FSDP2) needs 2.6' in file.read()
-    assert _compat.support_verdict("2.3.1") == "unsupported: autoddp needs torch >= 2.4; upgrade torch"
-    assert "without strategy='fsdp' (FSDP2 needs torch >= 2.6 on GPUs" in _compat.support_verdict("2.4.1")
-    assert "without strategy='fsdp' on CPU/gloo" in _compat.support_verdict("2.6.0+cu124")
-    assert _compat.support_verdict("2.7.0") == _compat.support_verdict("2.15.0") == "supported, every feature"
-    assert _compat.support_verdict("2.16.0").endswith("newer than 2.15, the newest tested")
+    assert (
+        _compat.releases.support_verdict("2.3.1") == "unsupported: autoddp needs torch >= 2.4; upgrade torch"
+    )
+    assert "without strategy='fsdp' (FSDP2 needs torch >= 2.6 on GPUs" in _compat.releases.support_verdict(
+        "2.4.1"
+    )
+    assert "without strategy='fsdp' on CPU/gloo" in _compat.releases.support_verdict("2.6.0+cu124")
+    assert (
+        _compat.releases.support_verdict("2.7.0")
+        == _compat.releases.support_verdict("2.15.0")
+        == "supported, every feature"
+    )
+    assert _compat.releases.support_verdict("2.16.0").endswith("newer than 2.15, the newest tested")
     report = CliRunner().invoke(main, ["env"]).output
-    assert f"torch        {torch.__version__} ({_compat.support_verdict()})" in report, report
+    assert f"torch        {torch.__version__} ({_compat.releases.support_verdict()})" in report, report
+
+
+# --- the torch releases that changed something: each line checked on the side this torch is -------
+
+
+def test_torch_at_least_reads_the_installed_release():
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    assert _compat.releases.torch_at_least((major, minor)) and _compat.releases.torch_at_least((2, 4))
+    assert not _compat.releases.torch_at_least((major, minor + 1)) and not _compat.releases.torch_at_least(
+        (major + 1, 0)
+    )
+
+
+def test_a_store_takes_over_a_bound_socket_with_what_this_torch_needs():
+    import socket
+
+    def store_on(listener, **extra):
+        port = listener.getsockname()[1]
+        return dist.TCPStore(
+            "127.0.0.1", port, 1, True, wait_for_workers=False, master_listen_fd=listener.fileno(), **extra
+        )
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    store = store_on(listener, **_compat.store_listening_on_socket())
+    listener.detach()  # (the store owns the socket now)
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+    del store
+    if not _compat.releases.torch_at_least(
+        _compat.releases.LIBUV_LISTEN_FD
+    ):  # the default backend refuses one here
+        assert _compat.store_listening_on_socket() == {"use_libuv": False}
+        with socket.create_server(("127.0.0.1", 0)) as listener, pytest.raises(NotImplementedError):
+            store_on(listener)
+    else:
+        assert _compat.store_listening_on_socket() == {}
+
+
+def test_a_taken_port_is_the_error_this_torch_raises_for_it():
+    import datetime
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        url = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        with pytest.raises(RuntimeError, match="EADDRINUSE") as raised:
+            next(dist.rendezvous(url, 0, 2, timeout=datetime.timedelta(seconds=5)))
+    assert isinstance(raised.value, _compat.store_address_in_use())
+    if _compat.releases.torch_at_least(_compat.releases.STORE_ERRORS_TYPED):
+        assert _compat.store_address_in_use() is dist.DistNetworkError
+    elif not _compat.releases.torch_at_least((2, 7)):  # (2.7 to 2.9 unchecked: RuntimeError is its base)
+        assert type(raised.value) is RuntimeError
+
+
+def test_the_accelerator_module_where_torch_has_one():
+    if _compat.releases.torch_at_least(_compat.releases.ACCELERATOR):
+        assert _compat.accelerator() is torch.accelerator
+    else:
+        assert _compat.accelerator() is None and not hasattr(torch, "accelerator")
+
+
+def test_fsdp2_is_said_missing_exactly_where_torch_lacks_it():
+    from torch.distributed import fsdp
+
+    has_fully_shard = hasattr(fsdp, "fully_shard")
+    stream_records = hasattr(torch.cpu.Stream, "record_event")
+    assert _compat.releases.torch_at_least(_compat.releases.FSDP2) == has_fully_shard
+    assert _compat.releases.torch_at_least(_compat.releases.FSDP2_ON_CPU) == stream_records
+    if not has_fully_shard:
+        assert _compat.fsdp2_release(None) == _compat.fsdp2_release("cpu") == _compat.releases.FSDP2
+    elif not stream_records:
+        assert (
+            _compat.fsdp2_release(None) is None
+            and _compat.fsdp2_release("cpu") == _compat.releases.FSDP2_ON_CPU
+        )
+    else:
+        assert _compat.fsdp2_release(None) is _compat.fsdp2_release("cpu") is None
+    needed = _compat.fsdp2_release(None if torch.cuda.device_count() else "cpu")
+    if needed is not None:  # the user's error names the release
+        release = re.escape(".".join(map(str, needed)))
+        with pytest.raises(autoddp.ConfigurationError, match=f"from torch {release};.*'torch>={release}'"):
+            autoddp.distributed(nproc=2, strategy="fsdp")
+
+
+def test_a_groups_backends_outlive_it_where_dropping_it_holds_the_gil():
+    @autoddp.distributed(nproc=2)
+    def backends():
+        group = dist.group.WORLD
+        return [type(backend).__name__ for backend in _compat.backends_to_outlive(group)]
+
+    if _compat.releases.torch_at_least(_compat.releases.GROUP_FREED_WITHOUT_GIL):
+        assert backends() == []
+    else:
+        assert backends() == ["ProcessGroupGloo"]
+
+
+def test_torchrun_gives_the_signals_variable_from_its_release():
+    import inspect
+
+    from torch.distributed.launcher import api
+
+    # (tests/test_torchrun_contract.py compares the variables themselves; GLOO_LAZY_INIT's line is
+    # checked by tests/test_gpu_group.py, through the connections a lazy group holds)
+    given = "TORCHELASTIC_SIGNALS_TO_HANDLE" in inspect.getsource(api)
+    assert given == _compat.releases.torch_at_least(_compat.releases.TORCHRUN_SIGNALS)
+
+
+def test_dtensor_is_looked_for_where_this_torch_defines_it():
+    import importlib
+
+    module = importlib.import_module(_compat.DTENSOR_MODULE)
+    assert module.DTensor.__module__.startswith(_compat.DTENSOR_MODULE)
+    if not _compat.releases.torch_at_least((2, 5)):  # (the public module exists, without DTensor)
+        assert not hasattr(importlib.import_module("torch.distributed.tensor"), "DTensor")
+
+
+def test_weights_only_loading_takes_a_set_from_its_release():
+    import io
+
+    buffer = io.BytesIO()
+    torch.save({"kept": {1, 2}}, buffer)
+    buffer.seek(0)
+    if _compat.releases.torch_at_least(_compat.releases.WEIGHTS_ONLY_SETS):
+        assert torch.load(buffer, weights_only=True) == {"kept": {1, 2}}
+    else:
+        with pytest.raises(Exception, match="builtins.set"):
+            torch.load(buffer, weights_only=True)

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 import autoddp
 from autoddp import ConfigurationError
-from conftest import run_python, write
+from conftest import needs_fsdp, run_python, write
 
 
 def _identical(module: nn.Module) -> bool:
@@ -118,6 +118,7 @@ def test_an_unused_parameter_names_itself_and_the_fix():
     assert autoddp.distributed(nproc=2, ddp={"find_unused_parameters": True})(train)()
 
 
+@needs_fsdp
 def test_a_returned_fsdp_state_dict_is_full_and_plain():
     @autoddp.distributed(nproc=2, strategy="fsdp")
     def train():
@@ -136,6 +137,7 @@ def test_a_returned_fsdp_state_dict_is_full_and_plain():
     nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2)).load_state_dict(state)
 
 
+@needs_fsdp
 def test_deep_copying_a_sharded_model_says_what_to_do_instead():
     @autoddp.distributed(nproc=2, strategy="fsdp")
     def train():
@@ -150,6 +152,9 @@ def test_options_that_cannot_work_are_refused_when_decorating():
     with pytest.raises(ConfigurationError, match="did you mean 'find_unused_parameters'"):
         autoddp.distributed(ddp={"find_unused": True})
 
+
+@needs_fsdp
+def test_fsdp_blocks_naming_no_submodule_are_refused():
     @autoddp.distributed(nproc=2, strategy="fsdp", fsdp_blocks=("Nope",))
     def train():
         autoddp.prepare(nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2)))

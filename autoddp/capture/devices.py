@@ -47,9 +47,10 @@ class Devices:
         if self.own is None or self._patches.installed:
             return
         patches: list[tuple[Any, str, Callable[[Any], Any]]] = [(torch.cuda, "set_device", self._set_device)]
+        accelerator = _compat.accelerator()  # (None before torch 2.6)
         for name in ("set_device_index", "set_device_idx"):  # (imagenet/main.py's way)
-            if hasattr(torch.accelerator, name):
-                patches.append((torch.accelerator, name, self._set_device))
+            if accelerator is not None and hasattr(accelerator, name):
+                patches.append((accelerator, name, self._set_device))
         for names, strict in ((_WORKING_ON, True), (_READING, False)):  # synchronize(0), memory_allocated(0)
             for name in names:
                 if hasattr(torch.cuda, name):

@@ -67,7 +67,7 @@ def describe(
     versions = [
         ("python", _safe(_python)),
         ("platform", _safe(platform.platform)),
-        ("torch", _safe(lambda: f"{torch.__version__} ({_compat.support_verdict()})")),
+        ("torch", _safe(lambda: f"{torch.__version__} ({_compat.releases.support_verdict()})")),
         ("CUDA", _safe(_cuda_version)),
         ("NCCL", _safe(_nccl_version)),
         ("distributed", _safe(_distributed_backends)),

@@ -7,6 +7,7 @@ import errno
 import os
 from collections.abc import Iterator
 
+from autoddp import _compat
 from autoddp.environment import LOOPBACK
 from autoddp.errors import ConfigurationError
 
@@ -69,6 +70,7 @@ def loopback_store(nproc: int, host: str = LOOPBACK, port: int | None = None) ->
             # shared with any other store this process opens on the port (elastic's rendezvous)
             multi_tenant=True,
             master_listen_fd=listener.fileno(),
+            **_compat.store_listening_on_socket(),
         )
     except BaseException:
         listener.close()

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from autoddp import _compat
+from autoddp.environment import hardware
 from autoddp.errors import ConfigurationError
 from autoddp.models import _fsdp_state, _split
 from autoddp.models.ddp import DDP, check_keywords
@@ -37,9 +38,7 @@ def check_options(strategy: str, ddp: Any, fsdp_blocks: Any, mixed_precision: An
     """A run's strategy options, checked before anything runs: ConfigurationError naming the fix."""
     check_keywords(ddp)
     strategy_named(strategy)
-    if strategy == "fsdp":
-        fsdp_api()
-    elif fsdp_blocks or mixed_precision is not None or cpu_offload:
+    if strategy != "fsdp" and (fsdp_blocks or mixed_precision is not None or cpu_offload):
         raise ConfigurationError(
             "fsdp_blocks=, mixed_precision= and cpu_offload= are FSDP's options: add strategy='fsdp'"
         )
@@ -49,6 +48,13 @@ def check_options(strategy: str, ddp: Any, fsdp_blocks: Any, mixed_precision: An
             f"fsdp_blocks={fsdp_blocks!r}: give a tuple of module classes or class names, "
             "e.g. fsdp_blocks=(TransformerBlock,) or fsdp_blocks=('TransformerBlock',)"
         )
+
+
+def check_available(strategy: str) -> None:
+    """A ConfigurationError naming the torch a strategy needs, where this one lacks it (after the
+    options' values are checked: those errors come first)."""
+    if strategy == "fsdp":
+        fsdp_api(None if hardware.gpu_count() else "cpu")
 
 
 def strategy_of(model: Any) -> Strategy:

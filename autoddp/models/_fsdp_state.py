@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from autoddp import _containers
+from autoddp import _compat, _containers
 from autoddp.state import CURRENT
 
 _BOUND = "_autoddp_bound"
@@ -23,7 +23,7 @@ _LOADING = threading.local()
 
 
 def _is_dtensor(value: Any) -> bool:
-    tensors = sys.modules.get("torch.distributed.tensor")  # nothing is a DTensor before it loads
+    tensors = sys.modules.get(_compat.DTENSOR_MODULE)  # nothing is a DTensor before it loads
     return tensors is not None and isinstance(value, tensors.DTensor)
 
 

@@ -70,7 +70,7 @@ def show_whole(loss: Any) -> None:
 def check_loss(loss: Any, split: bool = True) -> None:
     """Warn when ``loss`` is summed or a weighted mean over the batch: weighing the parts assumes a
     mean; without ``split``, DDP's average of the ranks' weighted means is not the batch's."""
-    reduction = _compat.loss_reduction(loss)
+    reduction = _compat.losses.loss_reduction(loss)
     if not split:
         if reduction == "weighted mean":
             _warn.warn(

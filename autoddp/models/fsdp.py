@@ -45,17 +45,19 @@ _FP16_NOTE = (
 )
 
 
-def fsdp_api() -> Any:
-    """``torch.distributed.fsdp`` with FSDP2, or a ConfigurationError naming the torch it needs."""
-    try:
-        from torch.distributed import fsdp
-
-        fsdp.fully_shard  # noqa: B018
-    except (ImportError, AttributeError):
+def fsdp_api(device_type: str | None = None) -> Any:
+    """``torch.distributed.fsdp`` with FSDP2 (on ``device_type``: "cpu" needs a newer torch than
+    GPUs), or a ConfigurationError naming the torch it needs."""
+    needed = _compat.fsdp2_release(device_type)
+    if needed is not None:
+        on = " on CPU (gloo)" if needed == _compat.releases.FSDP2_ON_CPU else ""
         raise ConfigurationError(
-            f"strategy='fsdp' needs FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6); this is "
-            f"torch {torch.__version__}. Upgrade torch, or use strategy='ddp'"
-        ) from None
+            f"strategy='fsdp' needs FSDP2 (torch.distributed.fsdp.fully_shard){on}, which works from "
+            f"torch {'.'.join(map(str, needed))}; this is torch {torch.__version__}. Upgrade torch "
+            f"(pip install 'torch>={'.'.join(map(str, needed))}'), or use strategy='ddp'"
+        )
+    from torch.distributed import fsdp
+
     return fsdp
 
 
@@ -149,7 +151,7 @@ def wrap_model(
 
 
 def _wrap_model(module: torch.nn.Module, world: World, options: RunOptions, *, move: bool) -> torch.nn.Module:
-    fsdp = fsdp_api()
+    fsdp = fsdp_api(torch.device(world.device).type)
     compiled = _compat.compiled_parts(module)
     if compiled is not None:
         inner, dynamo_ctx = compiled

@@ -11,6 +11,8 @@ deadlock at exit, in about one run of six on a loaded machine.
 Holding a Python reference to every group a DDP was built on moves the last reference here:
 ``release`` drops it after the user's code, when a group dropped from Python is destroyed with
 the GIL released (torch >= 2.8, pytorch#154976), so gloo's threads finish and the process ends.
+Before torch 2.8 the group's backends are held too and dropped after the groups
+(``_compat.backends_to_outlive``): a backend's own Python object lets go of the GIL as it ends.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 
-from autoddp import _patches
+from autoddp import _compat, _patches
 
 
 class KeptGroups:
@@ -28,6 +30,7 @@ class KeptGroups:
 
     def __init__(self) -> None:
         self._groups: list[Any] = []
+        self._backends: list[Any] = []  # (before torch 2.8: ended after the groups)
         self._patches = _patches.Patches()
 
     def install(self) -> None:
@@ -41,6 +44,7 @@ class KeptGroups:
             group = getattr(module, "process_group", None)
             if group is not None and not any(group is kept for kept in self._groups):
                 self._groups.append(group)
+                self._backends += _compat.backends_to_outlive(group)
 
         self._patches.install([(ddp, "__init__", init)])
 
@@ -52,6 +56,7 @@ class KeptGroups:
         """Drop the kept groups, after the user's code and hooks let go of their models."""
         self.uninstall()
         self._groups.clear()
+        self._backends.clear()
 
     def __len__(self) -> int:
         return len(self._groups)

@@ -151,7 +151,7 @@ class _GroupJoined:
                 CURRENT.release_wrapped()
                 gc.collect()
                 if dist.is_initialized():  # (the function may have ended the group itself)
-                    dist.destroy_process_group()
+                    destroy_default_group()
         finally:
             self.current.__exit__(exc_type, *rest)
 
@@ -179,8 +179,18 @@ def leave_open_groups() -> bool:
         return False
     CURRENT.release_wrapped()
     gc.collect()
-    dist.destroy_process_group()
+    destroy_default_group()
     return True
+
+
+def destroy_default_group() -> None:
+    """``destroy_process_group()``; before torch 2.8 its gloo backends outlive the group and end after
+    it, with the GIL released (``_compat.backends_to_outlive``: else a deadlock with gloo's threads)."""
+    import torch.distributed as dist
+
+    outliving = _compat.backends_to_outlive(dist.group.WORLD)
+    dist.destroy_process_group()
+    outliving.clear()
 
 
 def _init_group(world: World, backend: Backend, device: str, timeout: datetime.timedelta | None) -> bool:
@@ -201,7 +211,7 @@ def _init_group(world: World, backend: Backend, device: str, timeout: datetime.t
     _compat.quiet_gloo_connections()  # (the user's own groups too, from here on)
     try:
         dist.init_process_group(store=_fresh_store(world, arguments["timeout"]), **arguments)
-    except dist.DistNetworkError as error:
+    except _compat.store_address_in_use() as error:
         if "EADDRINUSE" not in str(error):
             raise
         raise ConfigurationError(

@@ -9,12 +9,15 @@ upgrade that breaks one fails there, loudly, before it can fail a user's run.
 from __future__ import annotations
 
 import atexit
+import functools
 import re
 import sys
 from typing import Any
 
 import torch
 
+from autoddp._compat import losses, releases  # noqa: F401 (losses: read as _compat.losses)
+from autoddp._compat.releases import torch_at_least
 from autoddp.errors import TorchCompatibilityError
 
 #: The private function DDP's forward uses to broadcast buffers from rank 0 (a collective).
@@ -32,6 +35,50 @@ def _need(owner: Any, name: str, what: str) -> Any:
             "this torch release changed an internal autoddp relies on. Use a torch version autoddp "
             "supports, or report it to autoddp with this message"
         ) from None
+
+
+#: Where DTensor lives (public from torch 2.5; before, in ``torch.distributed._tensor``).
+DTENSOR_MODULE = "torch.distributed.tensor" if torch_at_least((2, 5)) else "torch.distributed._tensor"
+
+
+def store_listening_on_socket() -> dict[str, Any]:
+    """What a ``TCPStore`` given a bound socket needs: the classic backend before 2.8 (libuv refuses)."""
+    return {} if torch_at_least(releases.LIBUV_LISTEN_FD) else {"use_libuv": False}
+
+
+def store_address_in_use() -> type[Exception]:
+    """What rank 0's store raises when its port is taken (its message says EADDRINUSE)."""
+    import torch.distributed as dist
+
+    typed = torch_at_least(releases.STORE_ERRORS_TYPED)
+    return _need(dist, "DistNetworkError", "to tell a port in use") if typed else RuntimeError
+
+
+def accelerator() -> Any:
+    """``torch.accelerator`` (torch >= 2.6), or None on a torch that has none."""
+    return (
+        _need(torch, "accelerator", "to see a script pick a GPU")
+        if torch_at_least(releases.ACCELERATOR)
+        else None
+    )
+
+
+def fsdp2_release(device_type: str | None) -> tuple[int, int] | None:
+    """The torch release FSDP2 needs on ``device_type`` (None: on GPUs), or None where this one has it."""
+    if not torch_at_least(releases.FSDP2):
+        return releases.FSDP2
+    return (
+        releases.FSDP2_ON_CPU if device_type == "cpu" and not torch_at_least(releases.FSDP2_ON_CPU) else None
+    )
+
+
+def backends_to_outlive(group: Any) -> list[Any]:
+    """The backends of ``group`` that must outlive it (held while it goes, dropped after it): before
+    2.8 a dropped ``ProcessGroup`` frees them with the GIL held while a gloo thread may wait for it
+    (a deadlock); a backend's own Python object lets go of the GIL as it ends gloo's threads."""
+    if torch_at_least(releases.GROUP_FREED_WITHOUT_GIL):
+        return []
+    return _backends(group, "to end gloo's threads without a deadlock")
 
 
 def cuda_in_bad_fork() -> bool:
@@ -70,52 +117,6 @@ def loader_iterator(loader: torch.utils.data.DataLoader) -> Any:
     return _need(loader, "_iterator", "to tell whether a DataLoader's persistent workers started")
 
 
-#: Autograd nodes that scale a loss by a number (``loss / accumulation_steps``): looked through.
-_SCALINGS = ("DivBackward0", "MulBackward0")
-
-
-def loss_reduction(loss: Any) -> str | None:
-    """``"sum"``, ``"mean"`` or ``"weighted mean"``: how ``loss`` reduced over the batch, where its
-    autograd graph says so (a ``.sum()``/``.mean()``, a loss function's ``reduction=``, through
-    scalings and sums of terms that reduce alike); else None.
-
-    A loss function's node keeps its reduction in ``_saved_reduction`` (1: mean, 2: sum); NLL's
-    (``cross_entropy``) its class weights in ``_saved_weight`` and ``ignore_index`` beside its
-    ``_saved_target``: a mean over them is normalised by the weights of the samples it saw.
-    """
-    return _reduction(getattr(loss, "grad_fn", None), 4)
-
-
-def _reduction(node: Any, depth: int) -> str | None:
-    for _ in range(depth):
-        if node is None:
-            return None
-        name = node.name()
-        if name in _SCALINGS and len(node.next_functions) == 2 and node.next_functions[1][0] is None:
-            node = node.next_functions[0][0]
-            continue
-        if name == "AddBackward0" and len(node.next_functions) == 2:
-            terms = {_reduction(term, depth) for term, _ in node.next_functions}
-            return terms.pop() if len(terms) == 1 else None
-        if name == "SumBackward0":
-            return "sum"
-        if name == "MeanBackward0":
-            return "mean"
-        reduction = {1: "mean", 2: "sum"}.get(getattr(node, "_saved_reduction", None))
-        return "weighted mean" if reduction == "mean" and _weighted(node) else reduction
-    return None
-
-
-def _weighted(node: Any) -> bool:
-    if getattr(node, "_saved_weight", None) is not None:
-        return True
-    index, target = getattr(node, "_saved_ignore_index", None), getattr(node, "_saved_target", None)
-    if not isinstance(index, int) or not isinstance(target, torch.Tensor):
-        return False
-    index = index - 2**64 if index >= 2**63 else index  # (kept as an unsigned 64-bit number)
-    return bool((target == index).any())
-
-
 def version(tensor: torch.Tensor) -> int:
     """A tensor's version counter: it moves with every in-place change (a gradient accumulating)."""
     return int(_need(tensor, "_version", "to tell whether a backward changed a gradient"))
@@ -143,14 +144,17 @@ def compile_in_place(module: torch.nn.Module, context: Any) -> None:
     """Make ``module``'s own calls compiled with ``context``, as ``torch.compile(module)`` did.
 
     ``Module.compile()`` does the same through these internals; dynamo does not trace torch.nn's
-    own ``_call_impl`` frame unless wrapped with ``wrap_inline``, as torch.compile wraps it.
+    own ``_call_impl`` frame unless wrapped with ``wrap_inline``, as torch.compile wraps it. The
+    call is the class's ``_call_impl`` given the module, not its bound method: torch 2.4's dynamo
+    does not inline a built-in layer's bound call and recurses into it forever (one graph on
+    every release this way).
     """
     from torch._dynamo import external_utils
 
     wrap_inline = _need(external_utils, "wrap_inline", "to keep a model's torch.compile compilation")
-    call_impl = _need(module, "_call_impl", "to keep a model's torch.compile compilation")
+    call_impl = _need(type(module), "_call_impl", "to keep a model's torch.compile compilation")
     _need(module, "_compiled_call_impl", "to keep a model's torch.compile compilation")
-    module._compiled_call_impl = context(wrap_inline(call_impl))
+    module._compiled_call_impl = context(wrap_inline(functools.partial(call_impl, module)))
 
 
 def compile_result_calling(module: torch.nn.Module) -> torch.nn.Module | None:
@@ -214,7 +218,12 @@ def collectives_issued() -> int:
     import torch.distributed as dist
 
     what = "to count the group's collectives"
-    group = _need(dist.distributed_c10d, "_get_default_group", what)()
+    backends = _backends(_need(dist.distributed_c10d, "_get_default_group", what)(), what)
+    return sum(int(_need(b, "_get_sequence_number_for_group", what)()) for b in backends)
+
+
+def _backends(group: Any, what: str) -> list[Any]:
+    """The backends of ``group`` (gloo's, NCCL's), each once."""
     get_backend = _need(group, "_get_backend", what)
     backends: dict[int, Any] = {}
     for device in ("cpu", "cuda"):
@@ -223,7 +232,7 @@ def collectives_issued() -> int:
         except (RuntimeError, ValueError):  # no backend for that device type
             continue
         backends[id(backend)] = backend
-    return sum(int(_need(b, "_get_sequence_number_for_group", what)()) for b in backends.values())
+    return list(backends.values())
 
 
 def batches_drawn(iterator: Any) -> int:
@@ -336,12 +345,6 @@ def no_line_prefix() -> str:
     return _EmptyPrefix()
 
 
-def release(version: str | None = None) -> tuple[int, int]:
-    """(major, minor) of a torch version string ("2.10.0+cu128": (2, 10)); default: this torch's."""
-    major, minor = (version or torch.__version__).split(".")[:2]
-    return int(major), int(minor)
-
-
 #: torch releases whose gloo writes "[Gloo] Rank N is connected to M peer ranks..." to file
 #: descriptor 1 (C++ ``std::cout``, unconditionally) whenever a gloo group connects: 2.8 up to 2.11,
 #: whose gloo logs it at INFO instead (shown only with ``GLOO_LOG_LEVEL=INFO``).
@@ -357,7 +360,7 @@ def quiet_gloo_connections() -> None:
     Installed once per process.
     """
     low, high = GLOO_PRINTS_CONNECTIONS
-    if not low <= release() < high:
+    if not low <= releases.release() < high:
         return
     from torch.distributed import distributed_c10d as c10d
 
@@ -373,26 +376,3 @@ def quiet_gloo_connections() -> None:
 
     quietly._autoddp_quiet = True  # type: ignore[attr-defined]
     c10d._new_process_group_helper = quietly
-
-
-#: The torch releases autoddp supports: each range's first release and what it lacks (None:
-#: nothing), lowest first; the first is setup.cfg's floor. ``autoddp env`` says the verdict.
-SUPPORTED = (
-    ((2, 4), "strategy='fsdp' (FSDP2 needs torch >= 2.6 on GPUs, >= 2.7 on CPU)"),
-    ((2, 6), "strategy='fsdp' on CPU/gloo (FSDP2 there needs torch >= 2.7)"),
-    ((2, 7), None),
-)
-#: The newest release the suite runs on: a newer one is supported, but untested.
-NEWEST_TESTED = (2, 15)
-
-
-def support_verdict(version: str | None = None) -> str:
-    """One line: whether autoddp supports torch ``version`` (default: this one) and what it lacks."""
-    here, (floor, _) = release(version), SUPPORTED[0]
-    if here < floor:
-        return f"unsupported: autoddp needs torch >= {floor[0]}.{floor[1]}; upgrade torch"
-    lacks = next(what for start, what in reversed(SUPPORTED) if here >= start)
-    verdict = f"supported, without {lacks}" if lacks else "supported, every feature"
-    if here > NEWEST_TESTED:
-        verdict += f"; newer than {NEWEST_TESTED[0]}.{NEWEST_TESTED[1]}, the newest tested"
-    return verdict
