@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -38,6 +39,10 @@ def no_leftover_processes():
 
 
 #: Variables that launchers (torchrun, srun, mpirun, autoddp) set; tests start without them.
+# gloo's words for a collective that ran out of time: the wait that ran out, or another wait of
+# that rank on the pair the timeout closed (either may reach the user first)
+GLOO_TIMEOUT = re.compile(r"Timed out waiting \d+ms|Application timeout caused pair closure")
+
 LAUNCHER_PREFIXES = (
     "SLURM_",
     "SLURMD_",

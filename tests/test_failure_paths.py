@@ -272,3 +272,19 @@ def test_a_large_tensor_result_travels_intact():
 def test_an_unknown_option_names_the_closest_one():
     with pytest.raises(ConfigurationError, match=r"no option 'nprocs'; did you mean nproc=\?"):
         autoddp.distributed(nprocs=2)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 5000ms for send operation to complete",
+        "Application timeout caused pair closure",  # another wait of the rank whose wait ran out
+    ],
+)
+def test_both_of_gloos_words_for_a_timeout_are_triaged_as_a_timeout(message):
+    """Which of the two a rank raises depends on which of its waits ran out first (seen in CI):
+    both must lead to "rank(s) N had not arrived", not to a failure of the waiting rank."""
+    from autoddp.worker.transport import ErrorReport
+
+    report = ErrorReport(rank=0, time=0.0, type_name="RuntimeError", message=message, traceback="", pickled=None)
+    assert report.is_timeout and not report.is_consequence

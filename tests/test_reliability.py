@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import autoddp
 from autoddp import ConfigurationError, WorkerError
-from conftest import write
+from conftest import GLOO_TIMEOUT, write
 
 # A script whose workers record their pids, say they are ready, then wait forever.
 WAITING_DECORATED = """
@@ -158,7 +158,7 @@ def test_stuck_rank_becomes_an_error_naming_it():
         dist.all_reduce(torch.ones(1))
 
     started = time.monotonic()
-    with pytest.raises(RuntimeError, match="Timed out") as info:
+    with pytest.raises(RuntimeError, match=GLOO_TIMEOUT) as info:
         train()
     assert time.monotonic() - started < 30
     notes = "\n".join(info.value.__notes__)

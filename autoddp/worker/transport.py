@@ -229,6 +229,7 @@ def load_result(folder: str) -> Any:
 
 
 #: Messages that mark an error as a consequence of another rank dying mid-collective.
+_TIMEOUT_MARKERS = ("Timed out", "timed out", "Application timeout caused pair closure")
 _CONSEQUENCE_MARKERS = (
     "Connection closed by peer",
     "Connection reset by peer",
@@ -251,8 +252,10 @@ class ErrorReport:
 
     @property
     def is_timeout(self) -> bool:
-        """True for a collective that gave up waiting for the other ranks."""
-        return "Timed out" in self.message or "timed out" in self.message or "Timeout" in self.type_name
+        """True for a collective that gave up waiting for the other ranks. Gloo says so in two
+        ways: the wait that ran out says "Timed out waiting", and every other operation in flight
+        on that rank's pairs says "Application timeout caused pair closure"; either may surface."""
+        return any(m in self.message for m in _TIMEOUT_MARKERS) or "Timeout" in self.type_name
 
     @property
     def is_consequence(self) -> bool:
