@@ -48,7 +48,8 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     stops them all and is re-raised here as the same type, naming the rank.
 
     ``backend``: ``"auto"`` (NCCL on GPUs, gloo on CPU), ``"nccl"`` or ``"gloo"``.
-    ``start_method``: ``"auto"`` (fork where CUDA is untouched, fresh interpreters otherwise),
+    ``start_method``: ``"auto"`` (fork where CUDA and autograd's threads are untouched, fresh
+    interpreters otherwise),
     ``"fork"`` or ``"spawn"`` (fresh interpreters that receive the function by value; unlike
     multiprocessing's spawn, never re-import ``__main__``). ``timeout``: seconds a collective
     may wait before failing (torch's default when unset). ``max_restarts``: start the whole

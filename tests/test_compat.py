@@ -52,6 +52,46 @@ def test_bad_fork_check_answers_in_this_process_and_in_a_fork(tmp_path):
     assert done.stdout.split() == ["False", "False", str(torch.backends.cuda.is_built())]
 
 
+#: A fresh interpreter's forks, before and after a compiled layer and a backward ran in it.
+AUTOGRAD_FORKS = """
+import os, torch
+from autoddp import _compat
+from torch._dynamo.testing import CompileCounter
+
+def answers():
+    pid = os.fork()
+    if pid == 0:
+        said = _compat.autograd_in_bad_fork()
+        try:
+            torch.ones(2, requires_grad=True).sum().backward()
+            raised = False
+        except RuntimeError:
+            raised = True
+        os._exit(said * 2 + raised)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+before = answers()
+torch.compile(torch.nn.Linear(3, 2), backend=CompileCounter())(torch.randn(4, 3))
+torch.nn.Linear(2, 1)(torch.ones(3, 2)).sum().backward()
+print(_compat.autograd_in_bad_fork(), before, answers())
+"""
+
+
+def test_autograd_bad_fork_check_says_what_a_backward_in_the_fork_does(tmp_path):
+    """The check's answer is whether a backward raises there (3: both; 0: neither), in the
+    process itself, in a fork of a fresh one, and in a fork after autograd ran."""
+    script = tmp_path / "forks.py"
+    script.write_text(AUTOGRAD_FORKS)
+    done = run_python([str(script)], timeout=120)
+    assert done.returncode == 0, done.stderr
+    here, before, after = done.stdout.split()
+    assert (here, before) == ("False", "0")
+    # torch 2.10-2.15's CUDA builds start device threads there, even with no driver; CPU builds never
+    assert after in ("0", "3"), "the check and a real backward disagree in the fork"
+    if not torch.backends.cuda.is_built():
+        assert after == "0"
+
+
 def test_default_store_is_the_groups_key_value_store():
     @autoddp.distributed(nproc=2)
     def share():

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import autoddp
 from autoddp import ConfigurationError, SerializationError, WorkerError
+from conftest import run_python
 
 METHODS = ["fork", "spawn"]
 
@@ -324,3 +325,37 @@ def test_works_while_stdout_is_captured():
             return autoddp.world_size()
 
         assert train() == 2
+
+
+AFTER_COMPILE_AND_BACKWARD = """
+import torch
+import torch.distributed as dist
+import autoddp
+from torch._dynamo.testing import CompileCounter
+
+# a notebook's earlier cells: a compiled layer, then training in this process. On a CUDA build of
+# torch this starts autograd's device threads, and torch refuses every backward in a later fork.
+torch.compile(torch.nn.Linear(3, 2), backend=CompileCounter())(torch.randn(4, 3))
+model = torch.nn.Linear(2, 1)
+model(torch.ones(3, 2)).sum().backward()
+
+@autoddp.distributed(nproc=2)
+def train():
+    layer = torch.nn.Linear(2, 1)
+    layer(torch.ones(3, 2)).sum().backward()
+    grad = layer.weight.grad.clone()
+    dist.all_reduce(grad)
+    return grad.tolist()
+
+print(train())
+"""
+
+
+def test_a_call_after_training_in_this_process_runs_whatever_autograd_started(tmp_path):
+    """Fork where a forked backward works; where torch forbids it, fresh interpreters, not a
+    RuntimeError from every rank's first backward."""
+    script = tmp_path / "after.py"
+    script.write_text(AFTER_COMPILE_AND_BACKWARD)
+    done = run_python([str(script)], timeout=150)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[[6.0, 6.0]]"

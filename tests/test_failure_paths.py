@@ -286,5 +286,7 @@ def test_both_of_gloos_words_for_a_timeout_are_triaged_as_a_timeout(message):
     both must lead to "rank(s) N had not arrived", not to a failure of the waiting rank."""
     from autoddp.worker.transport import ErrorReport
 
-    report = ErrorReport(rank=0, time=0.0, type_name="RuntimeError", message=message, traceback="", pickled=None)
+    report = ErrorReport(
+        rank=0, time=0.0, type_name="RuntimeError", message=message, traceback="", pickled=None
+    )
     assert report.is_timeout and not report.is_consequence

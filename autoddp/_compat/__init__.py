@@ -86,6 +86,21 @@ def cuda_in_bad_fork() -> bool:
     return bool(_need(torch.cuda, "_is_in_bad_fork", "to tell whether a forked worker can use CUDA")())
 
 
+AUTOGRAD_FORK_MESSAGE = "Unable to handle autograd's threading in combination with fork-based multiprocessing"
+
+
+def autograd_in_bad_fork() -> bool:
+    """True in a process forked after its parent started autograd's device threads: every
+    backward there raises. Torch keeps this flag private, so a one-element backward asks."""
+    try:
+        torch.ones(1, requires_grad=True).sum().backward()
+    except RuntimeError as error:
+        if AUTOGRAD_FORK_MESSAGE in str(error):
+            return True
+        raise
+    return False
+
+
 def default_store() -> Any:
     """The key-value store of the default process group (rank 0 publishes rank0() outcomes there)."""
     import torch.distributed as dist

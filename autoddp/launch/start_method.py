@@ -36,23 +36,44 @@ def choose_start_method(requested: str, backend: Backend | None = None) -> tuple
 def _fork_is_safe() -> tuple[bool, str]:
     if not sys.platform.startswith("linux"):
         return False, "fork is used on Linux only"
-    if hardware.gpu_count() > 0 and (torch.cuda.is_initialized() or _cuda_poisons_fork()):
-        return False, (
-            "CUDA was already initialised in this process (for example by "
-            "torch.cuda.is_available()), and forked workers could not use it"
-        )
-    return True, "CUDA is untouched in this process"
+    gpus = hardware.gpu_count() > 0
+    if gpus and torch.cuda.is_initialized():
+        return False, _CUDA_IN_USE
+    poisoned = _what_poisons_fork(gpus)
+    if poisoned:
+        return False, poisoned
+    return True, "CUDA and autograd's threads are untouched in this process"
 
 
-def _cuda_poisons_fork() -> bool:
-    """Ask a throw-away forked child whether torch marked it as a bad (post-CUDA) fork."""
+_CUDA_IN_USE = (
+    "CUDA was already initialised in this process (for example by "
+    "torch.cuda.is_available()), and forked workers could not use it"
+)
+_AUTOGRAD_THREADS = (
+    "autograd already ran here with its device threads started (a CUDA build of torch, after "
+    "torch.compile or a GPU), and a backward in a forked worker would raise"
+)
+_CHILD_ANSWERS = {1: _CUDA_IN_USE, 2: _AUTOGRAD_THREADS}
+
+
+def _what_poisons_fork(gpus: bool) -> str:
+    """Ask a throw-away forked child whether torch marked it a bad fork, for CUDA or for
+    autograd: the reason forked workers would fail, or "" where they would not."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork with threads
         pid = os.fork()
     if pid == 0:  # pragma: no cover - child
-        os._exit(1 if _compat.cuda_in_bad_fork() else 0)
+        try:
+            if gpus and _compat.cuda_in_bad_fork():
+                os._exit(1)
+            os._exit(2 if _compat.autograd_in_bad_fork() else 0)
+        except BaseException:
+            os._exit(3)
     _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status) != 0
+    code = os.waitstatus_to_exitcode(status)
+    if code == 0:
+        return ""
+    return _CHILD_ANSWERS.get(code, f"a forked probe of this process failed (exit status {code})")
 
 
 def preload_for_forked_workers(job_args: tuple, job_kwargs: dict, capture: bool) -> None:
