@@ -1,4 +1,5 @@
-"""Warnings that point at the user's line, not at autoddp's (or torch's) own frames.
+"""The house's voice: warnings that point at the user's line, not at autoddp's (or torch's) own
+frames, and ``say``: one ``autoddp: ...`` line on stderr.
 
 ``warn`` walks out of every frame that is not the user's (``_frames``: autoddp's, the standard
 library's, an installed package's) and attributes the warning to the first frame beyond them: the
@@ -60,3 +61,14 @@ def _would_raise(text: str, category: type[Warning], module: str, lineno: int) -
         ):
             return action == "error"
     return warnings.defaultaction == "error"
+
+
+def say(message: str) -> None:
+    """One line for the user on stderr."""
+    print(f"autoddp: {message}", file=sys.stderr, flush=True)
+
+
+def one_line(error: BaseException) -> str:
+    """The type and first line of an error's message."""
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

@@ -16,8 +16,8 @@ from autoddp._prepare import prepare
 from autoddp.environment import hardware
 from autoddp.errors import ConfigurationError
 from autoddp.options import Options
-from autoddp.worker import process_group, streams
 from autoddp.worker.running import Job, run_in_world
+from autoddp.world import process_group, streams
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -24,7 +24,7 @@ from autoddp.launch import output as launch_output
 from autoddp.launch import plan as launch_plan
 from autoddp.launch import start_method as launch_start
 from autoddp.state import RunOptions
-from autoddp.worker import process_group
+from autoddp.world import process_group
 
 
 def option(default: Any, help: str, *flags: str, **click: Any) -> Any:

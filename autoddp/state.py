@@ -4,7 +4,7 @@
 process takes part in one: the world it joined, the run's options, the timeout its process
 group was given, the user's function being run, and the models wrapped for it (so that they can
 let go of their process group before it ends). ``CURRENT`` is the only instance; the
-process-group lifecycle (``autoddp.worker.process_group.joined``) is the only code that enters and
+process-group lifecycle (``autoddp.world.process_group.joined``) is the only code that enters and
 leaves a world. A leaf module: nothing here imports the rest of autoddp.
 """
 

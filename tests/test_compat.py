@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 
 import autoddp
 from autoddp import _compat
+from autoddp._compat import gloo_lines
 from autoddp.errors import TorchCompatibilityError
 from conftest import run_python
 
@@ -29,17 +30,17 @@ def test_a_missing_internal_is_a_loud_error_naming_it():
 #: A fresh interpreter's forks, before and after it asks for the GPU count.
 BAD_FORKS = """
 import os, torch
-from autoddp import _compat
+from autoddp._compat import forks
 
 def fork_is_bad():
     pid = os.fork()
     if pid == 0:
-        os._exit(1 if _compat.cuda_in_bad_fork() else 0)
+        os._exit(1 if forks.cuda_in_bad_fork() else 0)
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 1
 
 untouched = fork_is_bad()
 torch.cuda.device_count()
-print(_compat.cuda_in_bad_fork(), untouched, fork_is_bad())
+print(forks.cuda_in_bad_fork(), untouched, fork_is_bad())
 """
 
 
@@ -55,13 +56,13 @@ def test_bad_fork_check_answers_in_this_process_and_in_a_fork(tmp_path):
 #: A fresh interpreter's forks, before and after a compiled layer and a backward ran in it.
 AUTOGRAD_FORKS = """
 import os, torch
-from autoddp import _compat
+from autoddp._compat import forks
 from torch._dynamo.testing import CompileCounter
 
 def answers():
     pid = os.fork()
     if pid == 0:
-        said = _compat.autograd_in_bad_fork()
+        said = forks.autograd_in_bad_fork()
         try:
             torch.ones(2, requires_grad=True).sum().backward()
             raised = False
@@ -73,7 +74,7 @@ def answers():
 before = answers()
 torch.compile(torch.nn.Linear(3, 2), backend=CompileCounter())(torch.randn(4, 3))
 torch.nn.Linear(2, 1)(torch.ones(3, 2)).sum().backward()
-print(_compat.autograd_in_bad_fork(), before, answers())
+print(forks.autograd_in_bad_fork(), before, answers())
 """
 
 
@@ -331,9 +332,9 @@ print("after", flush=True)
 
 def test_gloo_connection_lines_stay_out_of_the_users_stdout(tmp_path):
     assert _compat.releases.release("2.10.0+cu128") == (2, 10) and _compat.releases.release("2.8.0") == (2, 8)
-    low, high = _compat.GLOO_PRINTS_CONNECTIONS
+    low, high = gloo_lines.GLOO_PRINTS_CONNECTIONS
     assert low == (2, 8) and high == (2, 11)  # torch 2.11's gloo logs the line at INFO, unseen
-    assert _compat.GLOO_LINE.match(b"[Gloo] Rank 1 is NOT connected to: [0]\n")
+    assert gloo_lines.GLOO_LINE.match(b"[Gloo] Rank 1 is NOT connected to: [0]\n")
     script = tmp_path / "groups.py"
     script.write_text(GROUPS)
     done = run_python(["-m", "autoddp.cli", "-n", "2", "-q", str(script)], cwd=tmp_path, timeout=90)

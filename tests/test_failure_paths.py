@@ -284,7 +284,7 @@ def test_an_unknown_option_names_the_closest_one():
 def test_both_of_gloos_words_for_a_timeout_are_triaged_as_a_timeout(message):
     """Which of the two a rank raises depends on which of its waits ran out first (seen in CI):
     both must lead to "rank(s) N had not arrived", not to a failure of the waiting rank."""
-    from autoddp.worker.transport import ErrorReport
+    from autoddp.world.transport import ErrorReport
 
     report = ErrorReport(
         rank=0, time=0.0, type_name="RuntimeError", message=message, traceback="", pickled=None

@@ -24,7 +24,7 @@ from autoddp import _compat
 from autoddp.capture.devices import Devices
 from autoddp.errors import ConfigurationError
 from autoddp.state import World
-from autoddp.worker import placement
+from autoddp.world import placement
 from conftest import write
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

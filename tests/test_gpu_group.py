@@ -21,7 +21,7 @@ from autoddp import _compat
 from autoddp.launch.diagnostics import nccl_variables
 from autoddp.launch.side_gloo import side_gloo_variables
 from autoddp.state import World
-from autoddp.worker.process_group import Backend, group_arguments
+from autoddp.world.process_group import Backend, group_arguments
 from conftest import run_python, write
 
 GPUS = Backend("cpu:gloo,cuda:nccl", use_cuda=True)

@@ -4,6 +4,7 @@ at the root, the public API as documented."""
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 import pathlib
 import re
@@ -119,6 +120,50 @@ def test_no_import_runs_back_up_a_layer():
         if layer[target] > layer[name]
     )
     assert upward == []
+
+
+def _folder_of(name: str, modules: dict[str, pathlib.Path]) -> str:
+    """The folder (concept) a module belongs to; a module at the root is its own."""
+    parts = name.split(".")
+    top = ".".join(parts[:2])
+    if len(parts) >= 2 and top in modules and modules[top].name == "__init__.py":
+        return parts[1] + "/"
+    return parts[-1]
+
+
+def test_folders_are_layers_too_no_two_import_each_other():
+    """A folder is a concept and a layer: its imports of other folders run one way only (the
+    folder graph, root modules each their own node, has no cycle)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    why: dict[tuple[str, str], str] = {}
+    for name, path in modules.items():
+        for target in _imports(path, modules) - {name}:
+            a, b = _folder_of(name, modules), _folder_of(target, modules)
+            if a != b:
+                graph.setdefault(a, set()).add(b)
+                why.setdefault((a, b), f"{name} imports {target}")
+    state: dict[str, str] = {}
+    stack: list[str] = []
+
+    def visit(folder: str) -> None:
+        state[folder] = "open"
+        stack.append(folder)
+        for target in sorted(graph.get(folder, ())):
+            if state.get(target) == "open":
+                cycle = [*stack[stack.index(target) :], target]
+                raise AssertionError(
+                    "folders import each other: " + "; ".join(why[a, b] for a, b in itertools.pairwise(cycle))
+                )
+            if target not in state:
+                visit(target)
+        stack.pop()
+        state[folder] = "done"
+
+    for folder in sorted(graph):
+        if folder not in state:
+            visit(folder)
+    assert {"world/", "worker/", "capture/", "hang/", "launch/"} <= set(graph)
 
 
 def test_the_layer_table_is_checked():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import re
 import sys
 from typing import Any
 
@@ -81,24 +80,29 @@ def backends_to_outlive(group: Any) -> list[Any]:
     return _backends(group, "to end gloo's threads without a deadlock")
 
 
-def cuda_in_bad_fork() -> bool:
-    """True in a process forked after its parent initialised CUDA (CUDA cannot work there)."""
-    return bool(_need(torch.cuda, "_is_in_bad_fork", "to tell whether a forked worker can use CUDA")())
-
-
-AUTOGRAD_FORK_MESSAGE = "Unable to handle autograd's threading in combination with fork-based multiprocessing"
-
-
-def autograd_in_bad_fork() -> bool:
-    """True in a process forked after its parent started autograd's device threads: every
-    backward there raises. Torch keeps this flag private, so a one-element backward asks."""
-    try:
-        torch.ones(1, requires_grad=True).sum().backward()
-    except RuntimeError as error:
-        if AUTOGRAD_FORK_MESSAGE in str(error):
-            return True
-        raise
-    return False
+#: torch.distributed's collectives by name: each hangs when one rank calls it alone (rank0()
+#: refuses them in its body; the hang report marks them).
+COLLECTIVES = (
+    "all_gather",
+    "all_gather_coalesced",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "monitored_barrier",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+)
 
 
 def default_store() -> Any:
@@ -358,36 +362,3 @@ def no_line_prefix() -> str:
     (exercised through the agent itself: ``tests/test_nodes.py``, a node with ``--log-dir``).
     """
     return _EmptyPrefix()
-
-
-#: torch releases whose gloo writes "[Gloo] Rank N is connected to M peer ranks..." to file
-#: descriptor 1 (C++ ``std::cout``, unconditionally) whenever a gloo group connects: 2.8 up to 2.11,
-#: whose gloo logs it at INFO instead (shown only with ``GLOO_LOG_LEVEL=INFO``).
-GLOO_PRINTS_CONNECTIONS = ((2, 8), (2, 11))
-GLOO_LINE = re.compile(rb"\[Gloo\] Rank \d+ is (NOT )?connected to")
-
-
-def quiet_gloo_connections() -> None:
-    """Keep gloo's connection lines out of this process's standard output (torch 2.8-2.10).
-
-    Every group torch makes (``init_process_group``, ``new_group``) is made by
-    ``distributed_c10d._new_process_group_helper``: its calls run under ``worker.stdout.without_lines``.
-    Installed once per process.
-    """
-    low, high = GLOO_PRINTS_CONNECTIONS
-    if not low <= releases.release() < high:
-        return
-    from torch.distributed import distributed_c10d as c10d
-
-    from autoddp.worker import stdout
-
-    make = _need(c10d, "_new_process_group_helper", "to keep gloo's connection lines off stdout")
-    if getattr(make, "_autoddp_quiet", False):
-        return
-
-    def quietly(*args: Any, **kwargs: Any) -> Any:
-        with stdout.without_lines(GLOO_LINE):
-            return make(*args, **kwargs)
-
-    quietly._autoddp_quiet = True  # type: ignore[attr-defined]
-    c10d._new_process_group_helper = quietly

@@ -3,7 +3,7 @@
 A plain single-GPU script says ``torch.device("cuda:0")``, ``torch.cuda.set_device(0)``, wraps its
 model in ``nn.DataParallel``, ``torch.load``s a checkpoint saved from cuda:0. Run N times, each of
 those would put rank r's work on GPU 0. While capture runs, these few entry points read the index
-the user names through ``worker.placement.own_index`` (0 or the rank's ``LOCAL_RANK``: the own GPU;
+the user names through ``world.placement.own_index`` (0 or the rank's ``LOCAL_RANK``: the own GPU;
 another rank's: a clear error): ``torch.cuda.set_device``, ``torch.cuda.device``, ``Tensor.to`` and
 ``Tensor.cuda`` (``Module.to``/``.cuda`` go through them), ``torch.load``'s ``map_location`` (a
 checkpoint's CUDA storages restore on the own GPU; the user's own ``map_location`` is respected,
@@ -31,7 +31,7 @@ from autoddp.capture._notice import Notice, where
 from autoddp.capture._registry import user_site
 from autoddp.errors import ConfigurationError
 from autoddp.state import World
-from autoddp.worker import placement
+from autoddp.world import placement
 
 
 class Devices:

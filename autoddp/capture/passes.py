@@ -26,7 +26,7 @@ from autoddp import _compat
 from autoddp.capture._notice import where
 from autoddp.capture._registry import user_site
 from autoddp.models._class_swap import cached_subclass
-from autoddp.worker import transport
+from autoddp.world import transport
 
 _ENTRY = "_autoddp_passes"
 _FOLDER = "AUTODDP_RUN_FOLDER"

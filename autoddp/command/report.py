@@ -137,7 +137,7 @@ def _launch_section(
 def _command_section(environ: Mapping[str, str], gpus: int, nproc: int | None) -> list[str]:
     """What ``autoddp script.py`` would do here: processes, threads, backend, start, network."""
     from autoddp.launch import start_method as launch
-    from autoddp.worker import process_group
+    from autoddp.world import process_group
 
     env = environment.detect(environ)
     if env.launched:
@@ -279,7 +279,7 @@ def _gpus(count: int, name_gpus: bool) -> str:
 
 
 def _backend(gpus: int) -> str:
-    from autoddp.worker import process_group
+    from autoddp.world import process_group
 
     backend = process_group.resolve_backend(None, gpus)
     why = "CUDA tensors on NCCL, CPU tensors on gloo" if backend.use_cuda else "no GPU: CPU processes"
@@ -288,7 +288,7 @@ def _backend(gpus: int) -> str:
 
 def _start_method(gpus: int) -> str:
     from autoddp.launch import start_method as launch
-    from autoddp.worker import process_group
+    from autoddp.world import process_group
 
     method, reason = launch.choose_start_method("auto", process_group.resolve_backend(None, gpus))
     return f"{method} ({reason})"

@@ -19,7 +19,7 @@ from autoddp.launch import in_place, local, nodes
 from autoddp.launch import output as launch_output
 from autoddp.launch import plan as launch_plan
 from autoddp.launch.contract import DEFAULT_ROLE
-from autoddp.worker import transport
+from autoddp.world import transport
 
 
 def run_nodes(

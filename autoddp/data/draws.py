@@ -30,7 +30,7 @@ from torch.utils.data import (
 )
 
 from autoddp import _warn
-from autoddp.worker import streams
+from autoddp.world import streams
 
 #: torch's samplers whose ``__iter__`` only draws and yields (it changes nothing of the sampler),
 #: so iterating one a second time on the user's streams makes exactly one process's draws.

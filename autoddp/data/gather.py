@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 
 from autoddp.data.loaders import distributed_sampler
 from autoddp.errors import ConfigurationError
-from autoddp.worker.process_group import comm_device
+from autoddp.world.process_group import comm_device
 
 
 def gather(tensor: torch.Tensor, loader: DataLoader | None = None) -> torch.Tensor:

@@ -28,8 +28,8 @@ from autoddp.data import draws
 from autoddp.data.samplers import AutoEpochSampler, ShardedSampler
 from autoddp.errors import ConfigurationError
 from autoddp.state import CURRENT, World
-from autoddp.worker import streams
-from autoddp.worker.process_group import comm_device
+from autoddp.world import streams
+from autoddp.world.process_group import comm_device
 
 # Seeds travel as int64 tensors; torch seeds are unsigned 64-bit, so fold them into this range.
 _SEED_RANGE = 2**62
@@ -274,7 +274,7 @@ def _user_seed(loader: DataLoader, sampler: Any, number: int = 0) -> int:
     repeats it, and one reused by the loaders of later epochs moves on (by one process's draws:
     the generator is read from a copy, never drawn from here). Without one, the ``number``-th
     loader of the run (a loader made anew every epoch) gets its own seed derived from torch's. In
-    a worker autoddp seeded (``autoddp.worker.streams``), torch's seed is the caller's unless the
+    a worker autoddp seeded (``autoddp.world.streams``), torch's seed is the caller's unless the
     function set its own.
     """
     for generator in (getattr(sampler, "generator", None), loader.generator):

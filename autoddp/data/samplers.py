@@ -17,7 +17,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from autoddp.data.draws import OneProcessDraws
 from autoddp.state import World
-from autoddp.worker import streams
+from autoddp.world import streams
 
 
 class AutoEpochSampler(DistributedSampler):

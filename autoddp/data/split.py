@@ -32,8 +32,8 @@ from autoddp.data import draws
 from autoddp.errors import ConfigurationError
 from autoddp.models import _class_swap
 from autoddp.state import CURRENT, World
-from autoddp.worker import streams
-from autoddp.worker.process_group import comm_device
+from autoddp.world import streams
+from autoddp.world.process_group import comm_device
 
 #: Batches drawn at once at the start of a pass (on rank 0 from the user's states, as one process).
 CHUNK = 4096

@@ -19,9 +19,8 @@ import signal
 import struct
 import threading
 
-from autoddp._compat import DDP_BUFFER_BROADCAST
+from autoddp._compat import COLLECTIVES, DDP_BUFFER_BROADCAST
 from autoddp._leftovers import private_folder
-from autoddp.rank_zero.refusals import COLLECTIVES
 
 #: The workers' environment variable naming the folder of the records (set by the launcher).
 FOLDER_VARIABLE = "AUTODDP_HANG_FOLDER"

@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from autoddp._warn import one_line, say
 from autoddp.hang import combine, message, record, stacks, verdict
-from autoddp.launch.output import one_line, say
 
 #: A situation that lasts is reported again at most this often.
 REPEAT_SECONDS = 180.0

@@ -2,7 +2,7 @@
 
 Each worker marks when the user's code is done (a script's atexit hooks included; a decorated
 function's return): ``leaving``, and when autoddp's own end of the process is done: ``ended``
-(``worker.finished``). In between lie only the freeing of the user's objects (a ``__del__``, a C++
+(``world.finished``). In between lie only the freeing of the user's objects (a ``__del__``, a C++
 destructor waiting for a thread) and the group's teardown, which take well under a second. Once
 every local rank is leaving, a rank that has not ended ``EXIT_SECONDS`` later is stuck there: it
 is stopped with SIGTERM, which writes its stacks to the run folder (``worker.process``), and
@@ -19,8 +19,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from autoddp.launch.output import one_line, say
-from autoddp.worker import finished, transport
+from autoddp._warn import one_line, say
+from autoddp.world import finished, transport
 
 #: How long every rank may take to end once all have finished the user's code.
 EXIT_SECONDS = 30.0

@@ -12,8 +12,8 @@ from typing import Any
 from autoddp import _compat, _frames
 from autoddp.errors import UnevenBatchesError, WorkerError
 from autoddp.hang import message, pending, record
-from autoddp.worker import transport
-from autoddp.worker.finished import finished_ranks
+from autoddp.world import transport
+from autoddp.world.finished import finished_ranks
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,8 +14,8 @@ import sys
 from collections.abc import Mapping
 from typing import NoReturn
 
+from autoddp._warn import say
 from autoddp.environment import network
-from autoddp.launch.output import say
 from autoddp.state import World
 
 

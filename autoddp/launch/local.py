@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from autoddp import _warn
+from autoddp._warn import one_line, say
 from autoddp.environment import LOOPBACK, preflight
 from autoddp.errors import ConfigurationError, SerializationError, WorkerError
 from autoddp.hang import record as hang_record
@@ -24,12 +25,13 @@ from autoddp.launch import diagnostics
 from autoddp.launch.contract import DEFAULT_ROLE, Contract, worker_envs
 from autoddp.launch.exits import Exits
 from autoddp.launch.failures import first_failure
-from autoddp.launch.output import Output, announce_exit, one_line, say, show_hidden_output
+from autoddp.launch.output import Output, announce_exit, show_hidden_output
 from autoddp.launch.start_method import choose_start_method, preload_for_forked_workers
 from autoddp.launch.store import loopback_store
 from autoddp.launch.supervise import POLL_SECONDS, acting_on_signals, supervise
-from autoddp.worker import process, transport
+from autoddp.worker import process
 from autoddp.worker.running import Job
+from autoddp.world import transport
 
 #: For one attempt's run folder: the entry point and each local rank's arguments.
 Workers = Callable[[str], tuple[Any, dict[int, tuple]]]

@@ -27,11 +27,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from autoddp._warn import one_line, say
 from autoddp.errors import NodesError, WorkerError
 from autoddp.launch.heartbeat import Beat
-from autoddp.launch.output import one_line, say
 from autoddp.launch.plan import DEFAULT_JOIN_TIMEOUT
-from autoddp.worker import transport
+from autoddp.world import transport
 
 BACKEND = "autoddp-static"
 FIRST_SAY = 5.0  # node 0 names the awaited nodes this soon

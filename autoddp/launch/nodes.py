@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from autoddp._leftovers import private_folder
+from autoddp._warn import one_line, say
 from autoddp.environment import hardware, network
 from autoddp.errors import NodesError, WorkerError
 from autoddp.hang import record as hang_record
@@ -23,7 +24,7 @@ from autoddp.hang.combine import Exchange
 from autoddp.hang.watch import Watch
 from autoddp.launch import diagnostics, failures, meeting
 from autoddp.launch.contract import DEFAULT_ROLE
-from autoddp.launch.output import Output, announce_exit, one_line, say, show_hidden_output
+from autoddp.launch.output import Output, announce_exit, show_hidden_output
 from autoddp.launch.plan import Nodes, split_endpoint
 from autoddp.launch.side_gloo import side_gloo_variables
 from autoddp.launch.supervise import (
@@ -32,8 +33,8 @@ from autoddp.launch.supervise import (
     caller_signal_handlers_kept,
     elastic_logs_quiet,
 )
-from autoddp.worker import transport
 from autoddp.worker.running import Job
+from autoddp.world import transport
 
 
 def run_agent(

@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any
 
+from autoddp._warn import say
 from autoddp.errors import ConfigurationError
 
 
@@ -174,14 +175,3 @@ def announce_exit(error: BaseException, world_size: int) -> None:
     if isinstance(error, SystemExit):
         rank = getattr(error, "autoddp_rank", "?")
         say(f"rank {rank} of {world_size} called sys.exit({error.code!r}); exiting with it")
-
-
-def say(message: str) -> None:
-    """One line for the user on stderr."""
-    print(f"autoddp: {message}", file=sys.stderr, flush=True)
-
-
-def one_line(error: BaseException) -> str:
-    """The type and first line of an error's message."""
-    text = str(error).splitlines()[0] if str(error) else ""
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__

@@ -9,10 +9,10 @@ import warnings
 
 import torch
 
-from autoddp import _compat
+from autoddp._compat import forks
 from autoddp.environment import hardware
 from autoddp.errors import ConfigurationError
-from autoddp.worker.process_group import Backend
+from autoddp.world.process_group import Backend
 
 START_METHODS = ("auto", "fork", "spawn")
 
@@ -64,9 +64,9 @@ def _what_poisons_fork(gpus: bool) -> str:
         pid = os.fork()
     if pid == 0:  # pragma: no cover - child
         try:
-            if gpus and _compat.cuda_in_bad_fork():
+            if gpus and forks.cuda_in_bad_fork():
                 os._exit(1)
-            os._exit(2 if _compat.autograd_in_bad_fork() else 0)
+            os._exit(2 if forks.autograd_in_bad_fork() else 0)
         except BaseException:
             os._exit(3)
     _, status = os.waitpid(pid, 0)

@@ -11,9 +11,9 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from autoddp._warn import say
 from autoddp.errors import WorkerError
 from autoddp.launch.exits import Exits
-from autoddp.launch.output import say
 
 POLL_SECONDS = 0.05
 _STOP_GRACE_SECONDS = 5

@@ -32,7 +32,7 @@ from autoddp.errors import ConfigurationError
 from autoddp.models import _class_swap, _reduction, _routing, _split, statistics
 from autoddp.models.strategy import Strategy
 from autoddp.state import CURRENT, RunOptions, World
-from autoddp.worker import placement
+from autoddp.world import placement
 
 #: autoddp's own DDP settings, chosen by measurement (``benchmarks/memory.py``, ``steady_state.py``)
 #: and shown to leave the weights bitwise equal (``tests/test_ddp_defaults.py``); ``ddp=`` wins.

@@ -17,29 +17,6 @@ import torch.distributed as dist
 from autoddp import _compat, _patches
 from autoddp.errors import CollectiveInRank0Error
 
-# Collectives that hang when one rank calls them alone (the names torch.distributed defines).
-COLLECTIVES = (
-    "all_gather",
-    "all_gather_coalesced",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "all_reduce",
-    "all_reduce_coalesced",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "broadcast",
-    "broadcast_object_list",
-    "gather",
-    "gather_object",
-    "monitored_barrier",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "scatter",
-    "scatter_object_list",
-)
-
 
 class _State:
     """Which body runs now (for messages) and the stand-ins, made once."""
@@ -69,8 +46,8 @@ def _make_refusals() -> list[tuple[ModuleType, str, Callable[..., Any]]]:
     """(module, name, stand-in) for every collective a body can reach by attribute."""
     _compat.ddp_buffer_broadcast()  # DDP's forward broadcasts buffers through it: refused too
     modules: list[tuple[ModuleType, tuple[str, ...], str]] = [
-        (dist, (*COLLECTIVES, _compat.DDP_BUFFER_BROADCAST), "torch.distributed"),
-        (dist.distributed_c10d, COLLECTIVES, "torch.distributed"),
+        (dist, (*_compat.COLLECTIVES, _compat.DDP_BUFFER_BROADCAST), "torch.distributed"),
+        (dist.distributed_c10d, _compat.COLLECTIVES, "torch.distributed"),
     ]
     for name in ("autoddp", "autoddp.world"):
         module = sys.modules.get(name)

@@ -21,9 +21,10 @@ from typing import Any
 import torch
 
 from autoddp import _compat, environment
+from autoddp._compat import forks
 from autoddp.errors import AutoDDPError
-from autoddp.worker import finished, placement, transport
 from autoddp.worker.running import Job, portable, run_in_world
+from autoddp.world import finished, placement, transport
 
 
 def run_job_forked(job: Job, folder: str) -> None:
@@ -69,12 +70,12 @@ def _execute(job: Job, folder: str) -> int:
     give_stdin(world.rank)
     STACK_DUMP.arm(folder, world.rank)
     try:
-        if job.backend.use_cuda and _compat.cuda_in_bad_fork():
+        if job.backend.use_cuda and forks.cuda_in_bad_fork():
             raise AutoDDPError(
                 "CUDA was initialised in the calling process before the workers were forked; "
                 "use start_method='spawn' (or 'auto', which detects this)"
             )
-        if not _compat.cuda_in_bad_fork():
+        if not forks.cuda_in_bad_fork():
             _pin_own_gpu()  # (forked workers too: a run on gloo beside GPUs computes there as well)
         result = run_in_world(job, world, finish=functools.partial(_leaving, world.rank))
         if world.rank == 0:

@@ -22,8 +22,8 @@ from autoddp import _containers, models
 from autoddp._prepare import prepare
 from autoddp.hang import marks
 from autoddp.state import CURRENT, RunOptions, World
-from autoddp.worker import finished, process_group, streams
-from autoddp.worker.kept_groups import KeptGroups
+from autoddp.world import finished, process_group, streams
+from autoddp.world.kept_groups import KeptGroups
 
 
 @dataclasses.dataclass

@@ -35,12 +35,15 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from autoddp import _compat, _frames, _patches, capture, environment
+from autoddp._compat import gloo_lines
+from autoddp._warn import say
 from autoddp.environment import hardware, preflight
 from autoddp.hang import marks
 from autoddp.state import RunOptions, World
-from autoddp.worker import finished, process, process_group, transport
-from autoddp.worker.kept_groups import KeptGroups
-from autoddp.worker.placement import own_gpu
+from autoddp.worker import process
+from autoddp.world import finished, process_group, stdout, transport
+from autoddp.world.kept_groups import KeptGroups
+from autoddp.world.placement import own_gpu
 
 
 def _run(argv: list[str]) -> None:
@@ -162,7 +165,7 @@ def main(leave_groups_at_exit: bool = True, kept: KeptGroups | None = None) -> N
     of the script's DDP models, released by the caller after the atexit hooks (else at exit here).
     """
     process.die_with_parent()
-    _compat.quiet_gloo_connections()  # the script's own process groups too
+    gloo_lines.quiet_gloo_connections(stdout.without_lines)  # the script's own process groups too
     run_folder = os.environ.get("AUTODDP_RUN_FOLDER")
     if run_folder:  # a worker of autoddp's launcher (srun, mpirun: their own stdin and stacks)
         process.give_stdin(int(os.environ.get("RANK", "0")))
@@ -288,7 +291,7 @@ def _leave_cleanly() -> None:
     try:
         process_group.leave_open_groups()
     except Exception as error:  # the script succeeded: say so, do not turn it into a failure
-        print(f"autoddp: could not end the process group the script left open: {error}", file=sys.stderr)
+        say(f"could not end the process group the script left open: {error}")
 
 
 def _ended_here(kept: KeptGroups) -> None:

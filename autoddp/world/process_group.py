@@ -7,14 +7,16 @@ import dataclasses
 import datetime
 import gc
 import os
-import sys
 from typing import Any
 
 import torch
 
 from autoddp import _compat
+from autoddp._compat import gloo_lines
+from autoddp._warn import say
 from autoddp.errors import ConfigurationError
 from autoddp.state import CURRENT, RunOptions, World
+from autoddp.world import stdout
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -208,7 +210,7 @@ def _init_group(world: World, backend: Backend, device: str, timeout: datetime.t
     if world.local_world_size < world.world_size:
         _name_interface(world)
     arguments = group_arguments(world, backend, device, timeout)
-    _compat.quiet_gloo_connections()  # (the user's own groups too, from here on)
+    gloo_lines.quiet_gloo_connections(stdout.without_lines)  # (the user's own groups too, from here on)
     try:
         dist.init_process_group(store=_fresh_store(world, arguments["timeout"]), **arguments)
     except _compat.store_address_in_use() as error:
@@ -296,7 +298,7 @@ def _name_interface(world: World) -> None:
     if choice.variables:
         os.environ.update(choice.variables)
         if world.local_rank == 0:
-            print(f"autoddp: node {world.node_rank}: {choice.summary}", file=sys.stderr, flush=True)
+            say(f"node {world.node_rank}: {choice.summary}")
 
 
 def own_group_arguments(

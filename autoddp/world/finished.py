@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from autoddp.worker.transport import write_private
+from autoddp.world.transport import write_private
 
 
 def mark_finished(rank: int) -> None:

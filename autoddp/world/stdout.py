@@ -1,10 +1,10 @@
 """Lines a library's C++ code writes to file descriptor 1, kept out of the user's standard output.
 
 A worker's standard output is the user's: what the script prints, as one process would. Native
-code that prints there (gloo on some torch releases, see ``_compat.quiet_gloo_connections``) is
-held off for the length of one call: descriptor 1 points at a temporary file meanwhile, and what
-else reached it (another thread's prints) is written to the real standard output, in order,
-when the call returns. The terminal stays a terminal outside the call.
+code that prints there (gloo on some torch releases, see ``_compat.gloo_lines``) is held off for
+the length of one call: descriptor 1 points at a temporary file meanwhile, and what else reached
+it (another thread's prints) is written to the real standard output, in order, when the call
+returns. The terminal stays a terminal outside the call.
 """
 
 from __future__ import annotations
