@@ -219,6 +219,21 @@ def test_no_module_is_over_the_size_limit():
     assert {name: n for name, n in sizes.items() if n > MAX_LINES} == {}
 
 
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_is_over_eighty_lines():
+    """A function a reader can hold at once: the longest split into named steps."""
+    long = sorted(
+        f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for name, path in _modules().items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    )
+    assert long == []
+
+
 def test_the_public_api_is_the_documented_one():
     assert sorted(autoddp.__all__) == [
         "AutoDDPError",

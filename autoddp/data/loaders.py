@@ -63,17 +63,7 @@ def shard_loader(
                 "dataset.autoddp_sharded = True if it already shards itself."
             )
         return loader
-    existing = distributed_sampler(loader)
-    if existing is not None:
-        hint = (
-            ""
-            if isinstance(existing, AutoEpochSampler)
-            else " It does not advance epochs by itself: call its set_epoch(epoch) before each epoch."
-        )
-        _warn.warn(
-            f"this DataLoader's sampler is already a DistributedSampler ({type(existing).__name__}): "
-            f"already sharded; left as is.{hint}"
-        )
+    if _already_sharded(loader):
         return loader
 
     if (CURRENT.options.split_batches if split is None else split) and not in_order(loader):
@@ -118,6 +108,24 @@ def shard_loader(
         object.__setattr__(loader, "batch_sampler", new_batch_sampler)
         return loader
     return _rebuild(loader, new_sampler, new_batch_sampler, user_batches)
+
+
+def _already_sharded(loader: DataLoader) -> bool:
+    """True (said once, with a hint where its epochs do not advance by themselves) for a loader
+    whose sampler is a DistributedSampler already: left as it is."""
+    existing = distributed_sampler(loader)
+    if existing is None:
+        return False
+    hint = (
+        ""
+        if isinstance(existing, AutoEpochSampler)
+        else " It does not advance epochs by itself: call its set_epoch(epoch) before each epoch."
+    )
+    _warn.warn(
+        f"this DataLoader's sampler is already a DistributedSampler ({type(existing).__name__}): "
+        f"already sharded; left as is.{hint}"
+    )
+    return True
 
 
 def in_order(loader: DataLoader) -> bool:

@@ -67,28 +67,8 @@ def run_agent(
     output = output or Output()
     host, port = split_endpoint(nodes.endpoint or "")
     net = network.choose(host, os.environ)
-    rdzv_configs: dict[str, Any] = dict(nodes.conf)  # --rdzv-conf, as torchrun passes it
-    backend = nodes.backend
-    if backend == "static":  # elastic's, with a fresh store per attempt and no silent waits
-        meeting.register()
-        backend = meeting.BACKEND
-        met = rdzv_configs["autoddp_meeting"] = meeting.Meeting(
-            host,
-            port,
-            nodes.node_rank or 0,
-            nodes.max_nodes,
-            nodes.run_id,
-            join_timeout=nodes.join_timeout,
-            max_restarts=max_restarts,
-            folder=folder,
-        )
-    else:
-        met = None
-        rdzv_configs["join_timeout"] = int(nodes.join_timeout)
+    backend, rdzv_configs, met = _rendezvous(nodes, host, port, net, folder=folder, max_restarts=max_restarts)
     route = net.route
-    if nodes.backend == "c10d" and route is not None and route.owns_address:
-        # This machine owns the endpoint's address; torch recognises it only by the host name.
-        rdzv_configs["is_host"] = True
     # elastic keeps its error files (and the hidden ranks' output, without log_dir) in a folder
     # of its own (a new one in /tmp when none is given, never removed): one of autoddp's, which
     # goes with the run (after a SIGKILL, at a later start)
@@ -136,6 +116,36 @@ def run_agent(
                 raise
             if failure is not None:  # raised here, not in the except: it keeps its own cause (a traceback)
                 raise _began_elsewhere(failure, met, nproc * nodes.max_nodes)
+
+
+def _rendezvous(
+    nodes: Nodes, host: str, port: int, net: network.Choice, *, folder: str, max_restarts: int
+) -> tuple[str, dict[str, Any], meeting.Meeting | None]:
+    """Elastic's rendezvous backend and configuration for this node, and the static meeting
+    where the backend is "static" (elastic's, with a fresh store per attempt and no silent waits)."""
+    rdzv_configs: dict[str, Any] = dict(nodes.conf)  # --rdzv-conf, as torchrun passes it
+    backend = nodes.backend
+    met = None
+    if backend == "static":
+        meeting.register()
+        backend = meeting.BACKEND
+        met = rdzv_configs["autoddp_meeting"] = meeting.Meeting(
+            host,
+            port,
+            nodes.node_rank or 0,
+            nodes.max_nodes,
+            nodes.run_id,
+            join_timeout=nodes.join_timeout,
+            max_restarts=max_restarts,
+            folder=folder,
+        )
+    else:
+        rdzv_configs["join_timeout"] = int(nodes.join_timeout)
+    route = net.route
+    if nodes.backend == "c10d" and route is not None and route.owns_address:
+        # This machine owns the endpoint's address; torch recognises it only by the host name.
+        rdzv_configs["is_host"] = True
+    return backend, rdzv_configs, met
 
 
 def _root_cause(
