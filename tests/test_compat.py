@@ -6,8 +6,11 @@ it can fail a user's run. Nothing is mocked: each internal is used the way autod
 
 from __future__ import annotations
 
+import ast
 import gc
+import json
 import os
+import pathlib
 import re
 
 import pytest
@@ -494,3 +497,122 @@ def test_weights_only_loading_takes_a_set_from_its_release():
     else:
         with pytest.raises(Exception, match="builtins.set"):
             torch.load(buffer, weights_only=True)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_names_used(path) -> dict[str, int]:
+    """The private names a module reaches: attributes, getattr/setattr/_need strings, and dotted
+    module names (imported, or spelled in a string), each with a line it is on."""
+    found: dict[str, int] = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            names = [node.attr]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr", "_need")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
+            names = [node.args[1].value]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and " " not in node.value:
+            names = [node.value] if node.value.startswith("torch.") else []
+        for name in names:
+            if (name.startswith(("torch", "atexit")) and any(_private(part) for part in name.split("."))) or (
+                "." not in name and _private(name)
+            ):
+                found.setdefault(name, node.lineno)
+    return found
+
+
+def _defined_by_autoddp(package) -> set[str]:
+    """Private names autoddp defines itself: its functions, classes, variables, arguments and
+    ``self._x`` attributes (an attribute set on another object is not a definition)."""
+    names = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.arg) or (isinstance(node, ast.keyword) and node.arg):
+                names.add(node.arg)
+            elif isinstance(node, ast.alias):
+                names.add((node.asname or node.name).split(".")[-1])
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls")
+            ):
+                names.add(node.attr)
+    return {n for n in names if _private(n)}
+
+
+def test_private_names_are_reached_from_compat_only_and_listed_there():
+    """The inventory in ``_compat.names`` is the code's: every private torch (or CPython) name is
+    used in ``autoddp/_compat`` only, each one used there is listed, and each listed is used."""
+    from autoddp._compat import names
+
+    package = pathlib.Path(autoddp.__file__).parent
+    compat = package / "_compat"
+    own = _defined_by_autoddp(package) - {n.rsplit(".", 1)[-1] for n in names.PRIVATE}
+    listed = {n.rsplit(".", 1)[-1] for n in names.PRIVATE} | set(names.PRIVATE)
+    outside, unlisted, used = [], [], set()
+    for path in sorted(p for p in package.rglob("*.py") if p != compat / "names.py"):
+        for name, line in _private_names_used(path).items():
+            last = name.rsplit(".", 1)[-1]
+            if last in own or last.startswith("_autoddp") or last in names.CPYTHON_ANYWHERE:
+                continue
+            where = f"{path.relative_to(package)}:{line}: {name}"
+            if compat not in path.parents:
+                outside.append(where)
+            elif name in listed or last in listed:
+                used.update({name, last})
+            else:
+                unlisted.append(where)
+    assert outside == [], f"private names outside autoddp/_compat: {outside}"
+    assert unlisted == [], f"private names used in _compat and missing from _compat.names.PRIVATE: {unlisted}"
+    compat_text = "".join(p.read_text() for p in compat.glob("*.py") if p.name != "names.py")
+    stale = [n for n in names.PRIVATE if n.rsplit(".", 1)[-1] not in compat_text]
+    assert stale == [], f"listed in _compat.names.PRIVATE, used nowhere: {stale}"
+
+
+REPLACED = """
+import json, torch, torch.distributed.distributed_c10d as c10d
+from autoddp._compat import gloo_lines, watch_parameter_changes
+from autoddp.world import stdout
+
+owners = {"torch.nn.Parameter": torch.nn.Parameter, "torch.nn.Module": torch.nn.Module,
+          "torch.utils": torch.utils, "torch.distributed.distributed_c10d": c10d,
+          "torch.Tensor": torch.Tensor, "torch._C.TensorBase": torch._C.TensorBase}
+before = {k: dict(vars(v)) for k, v in owners.items()}
+watch_parameter_changes(lambda: None)
+gloo_lines.quiet_gloo_connections(stdout.without_lines)
+changed = sorted(f"{k}.{name}" for k, v in owners.items() for name, value in vars(v).items()
+                 if not name.startswith("_autoddp") and before[k].get(name, None) is not value)
+print(json.dumps(changed))
+"""
+
+
+def test_what_is_replaced_for_the_life_of_the_process_is_the_listed():
+    """The two installers that never restore replace exactly what ``_compat.names`` lists
+    (gloo's group helper only where that torch prints gloo's lines)."""
+    from autoddp._compat import gloo_lines, names
+
+    done = run_python(["-c", REPLACED])
+    assert done.returncode == 0, done.stderr
+    expected = set(names.REPLACED_FOR_THE_PROCESS)
+    low, high = gloo_lines.GLOO_PRINTS_CONNECTIONS
+    if not low <= _compat.releases.release() < high:
+        expected.discard("torch.distributed.distributed_c10d._new_process_group_helper")
+    assert set(json.loads(done.stdout)) == expected

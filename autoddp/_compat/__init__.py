@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import importlib
 import sys
 from typing import Any
 
@@ -157,6 +158,32 @@ def compiled_parts(model: Any) -> tuple[torch.nn.Module, Any] | None:
     inner = _need(model, "_orig_mod", "the module inside a torch.compile result")
     context = _need(model, "dynamo_ctx", "the compile settings of a torch.compile result")
     return inner, context
+
+
+def compiled_inner(model: Any) -> torch.nn.Module:
+    """The module inside a ``torch.compile`` result (called on every forward of a swapped one)."""
+    return model._orig_mod
+
+
+def initialiser(module: torch.nn.Module) -> Any:
+    """The module's own initialiser: ``reset_parameters`` (``_reset_parameters`` in torch's
+    attention), or None."""
+    return getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+
+
+def owns_parameters(module: torch.nn.Module) -> bool:
+    """Whether ``module`` registered parameters itself (a None one, ``bias=None``, counts)."""
+    return bool(module._parameters)
+
+
+def dynamo_imported() -> bool:
+    """Whether torch.compile's engine is imported in this process already."""
+    return "torch._dynamo" in sys.modules
+
+
+def import_dynamo() -> None:
+    """Import torch.compile's engine (about 800 modules, seconds): once, before workers fork."""
+    importlib.import_module("torch._dynamo")
 
 
 def compile_in_place(module: torch.nn.Module, context: Any) -> None:

@@ -16,13 +16,14 @@ from typing import Any, NoReturn
 
 import click
 
+from autoddp._warn import say
 from autoddp.command import torchrun_flags
 from autoddp.environment import hardware
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
     """One line on stderr naming the problem and the fix, then exit (2: usage error)."""
-    click.echo(f"autoddp: error: {message}", err=True)
+    say(f"error: {message}")
     sys.exit(code)
 
 

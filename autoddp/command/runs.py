@@ -12,6 +12,7 @@ import signal
 import click
 
 from autoddp import environment
+from autoddp._warn import one_line, say
 from autoddp.command.arguments import fail
 from autoddp.errors import ConfigurationError, NodesError, RemoteTraceback, WorkerError
 from autoddp.hang import record as hang_record
@@ -56,7 +57,7 @@ def run_nodes(
             code=1,
         )
     except SignalException as error:
-        click.echo(f"autoddp: {error.sigval.name} received: stopped all workers on this node", err=True)
+        say(f"{error.sigval.name} received: stopped all workers on this node")
         return 128 + int(error.sigval)
     except BaseException as error:
         if isinstance(error, ConfigurationError) and getattr(error, "autoddp_rank", None) is None:
@@ -109,13 +110,13 @@ def _failed(error: BaseException) -> int:
     if isinstance(error, SystemExit):  # a rank called sys.exit(code): the launcher said so in one line
         return error.code if isinstance(error.code, int) else 1
     if isinstance(error, (WorkerError, NodesError)):  # no traceback to point at
-        click.echo(f"autoddp: {error}", err=True)
+        say(str(error))
     elif isinstance(error, Exception) and getattr(error, "autoddp_node", None) is not None:
         if isinstance(error.__cause__, RemoteTraceback):  # printed on that node only: shown here
             click.echo(str(error.__cause__).strip("\n"), err=True)
-        click.echo(f"autoddp: {launch_output.one_line(error)} (on node {error.autoddp_node})", err=True)
+        say(f"{one_line(error)} (on node {error.autoddp_node})")
     elif isinstance(error, Exception):  # a worker failed: it printed its own traceback
-        click.echo(f"autoddp: {launch_output.one_line(error)} (its traceback is above)", err=True)
+        say(f"{one_line(error)} (its traceback is above)")
     else:
         raise error
     _notes(error)

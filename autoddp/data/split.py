@@ -216,14 +216,14 @@ class _Weighed:
     """
 
     def __init__(self, iterator: Any, batches: SplitBatches) -> None:
-        self._iterator, self._batches, self._handed = iterator, batches, 0
+        self._inner, self._batches, self._handed = iterator, batches, 0
 
     def __iter__(self) -> _Weighed:
         return self
 
     def __next__(self) -> Any:
         try:
-            batch = next(self._iterator)
+            batch = next(self._inner)
         except StopIteration:
             CURRENT.split_weight, _OWNER[0] = None, None
             raise
@@ -237,7 +237,7 @@ class _Weighed:
             CURRENT.split_weight, _OWNER[0] = None, None
 
     def __len__(self) -> int:
-        return len(self._iterator)
+        return len(self._inner)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._iterator, name)
+        return getattr(self._inner, name)

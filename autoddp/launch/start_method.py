@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import warnings
 
 import torch
 
+from autoddp import _compat
 from autoddp._compat import forks
 from autoddp.environment import hardware
 from autoddp.errors import ConfigurationError
@@ -84,8 +84,8 @@ def preload_for_forked_workers(job_args: tuple, job_kwargs: dict, capture: bool)
     cheap, and spares N workers importing it side by side on the same cores. Done when a model
     is passed or capture may find one (capture is on).
     """
-    if "torch._dynamo" in sys.modules:
+    if _compat.dynamo_imported():
         return
     passes_model = any(isinstance(v, torch.nn.Module) for v in (*job_args, *job_kwargs.values()))
     if passes_model or capture:
-        importlib.import_module("torch._dynamo")
+        _compat.import_dynamo()

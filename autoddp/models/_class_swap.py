@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from autoddp import _compat
+
 #: The class attribute of a swapped class that names the user's own class.
 PLAIN_CLASS = "_autoddp_plain_class"
 #: Instance attributes autoddp keeps on a module are named so; they never travel in a pickle.
@@ -74,7 +76,7 @@ class _SwapBack:
 
 
 def _call_inner(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return self._orig_mod(*args, **kwargs)
+    return _compat.compiled_inner(self)(*args, **kwargs)
 
 
 _SUBCLASSES: dict[tuple[type, tuple[tuple[str, Any], ...]], type] = {}

@@ -275,7 +275,7 @@ def watch(root: torch.nn.Module, replica: Replica) -> None:
         watcher = _watcher(sub)
         if watcher is not None:
             watcher.replica = replica
-        elif sub._parameters and _pickles_without_routing(sub):
+        elif _compat.owns_parameters(sub) and _pickles_without_routing(sub):
             _compat.route_calls(sub, _Watch(sub, replica).__call__)
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from autoddp import _compat
 from autoddp.errors import ConfigurationError
 
 
@@ -44,7 +45,7 @@ def _own_tensors(module: torch.nn.Module) -> bool:
 
 def _reset(module: torch.nn.Module) -> Any:
     """The module's own initialiser: ``reset_parameters`` (``_reset_parameters`` in torch's attention)."""
-    return getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+    return _compat.initialiser(module)
 
 
 def check_initialisable(module: torch.nn.Module) -> None:

@@ -1,0 +1,62 @@
+"""The list of every private torch (and CPython) name autoddp reaches, and of every torch attribute
+it replaces for the life of a process: the inventory a torch upgrade is checked against.
+
+Only ``autoddp._compat`` touches these names (``tests/test_compat.py`` reads the package's source:
+a private name used anywhere else, or one used here and not listed, fails; so does a listed one
+no longer used). The patch engine (``autoddp._patches``) replaces other attributes too, and puts
+each back when its user is done; the ones below stay replaced until the process ends.
+"""
+
+from __future__ import annotations
+
+#: Private names, each with what autoddp reads it for.
+PRIVATE = {
+    "torch._C": "TensorBase: the C descriptors nn.Parameter inherits (data, requires_grad)",
+    "torch._dynamo": "torch.compile's engine: compiling a module in place, importing it once before forks",
+    "torch.utils._device": "DeviceContext: the device set_default_device and `with torch.device()` make",
+    "torch.distributed._tensor": "DTensor's module before torch 2.5",
+    "torch.distributed._broadcast_coalesced": "DDP's buffer broadcast, refused inside rank0() bodies",
+    "torch.distributed.distributed_c10d._get_default_store": "the group's key-value store",
+    "torch.distributed.distributed_c10d._get_default_group": "the default group, to count its collectives",
+    "torch.distributed.distributed_c10d._new_process_group_helper": "every group torch makes (gloo's lines)",
+    "torch.distributed.ProcessGroup._get_backend": "a group's gloo and NCCL backends",
+    "torch.distributed.Backend._get_sequence_number_for_group": "the collectives a backend issued",
+    "torch.distributed.elastic.multiprocessing.api.MultiprocessContext._pc": "forked workers' exit codes",
+    "torch.utils.data.DataLoader._iterator": "the iterator persistent workers keep between passes",
+    "torch.utils.data.dataloader._BaseDataLoaderIter._index_sampler": "the order of a kept iterator's pass",
+    "torch.utils.data.dataloader._BaseDataLoaderIter._num_yielded": "the batches a pass has yielded",
+    "torch.nn.Module._apply": "replaced (below): .to()/.half()/.cuda() seen",
+    "torch.nn.Module._call_impl": "a module's own call, compiled in place",
+    "torch.nn.Module._compiled_call_impl": "where a module's compiled (or routed) call is kept",
+    "torch.nn.Module._parameters": "whether a module owns parameters itself (None entries too)",
+    "torch.nn.MultiheadAttention._reset_parameters": "torch's attention's initialiser",
+    "torch._dynamo.eval_frame.OptimizedModule._orig_mod": "the module inside a torch.compile result",
+    "torch.Tensor._version": "a tensor's in-place version counter",
+    "torch.cuda._is_in_bad_fork": "whether a forked worker can use CUDA",
+    "torch.autograd.graph.Node._saved_reduction": "a loss's reduction, from its graph",
+    "torch.autograd.graph.Node._saved_weight": "a weighted loss, from its graph",
+    "torch.autograd.graph.Node._saved_ignore_index": "a loss's ignored targets, from its graph",
+    "torch.autograd.graph.Node._saved_target": "a loss's targets, from its graph",
+    "atexit._run_exitfuncs": "the process's exit hooks, run before a fast exit",
+    "atexit._clear": "the exit hooks a forked worker inherited, dropped",
+}
+
+#: Private CPython names used across the package: documented, stable parts of the language.
+CPYTHON_ANYWHERE = {
+    "_getframe": "sys._getframe: the user's frame",
+    "_exit": "os._exit: a forked child's exit",
+    "_fields": "a named tuple's field names",
+}
+
+#: Torch attributes replaced for the life of the process, outside the patch engine: each with why.
+REPLACED_FOR_THE_PROCESS = {
+    "torch.nn.Parameter.data": "to see a parameter's data replaced",
+    "torch.nn.Parameter.requires_grad": "to see a parameter frozen",
+    "torch.nn.Parameter.requires_grad_": "to see a parameter frozen",
+    "torch.nn.Parameter.detach_": "to see a parameter frozen",
+    "torch.nn.Module._apply": "to see .to()/.half()/.cuda() put new parameters in",
+    "torch.nn.Module.register_parameter": "to see a parameter removed",
+    "torch.nn.Module.__delattr__": "to see parameters or submodules removed",
+    "torch.utils.swap_tensors": "to see parameters swapped",
+    "torch.distributed.distributed_c10d._new_process_group_helper": "gloo's lines off stdout (2.8-2.10)",
+}
