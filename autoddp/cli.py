@@ -109,7 +109,12 @@ def main(script: str | None, script_args: tuple[str, ...], **flags: Any) -> None
     launcher and why, and what the decorator and this command would do here.
     """
     master, master_addr, master_port = flags["master"], flags["master_addr"], flags["master_port"]
-    given = (master or flags["rdzv_endpoint"], master_addr, master_port)  # one machine: its store's place
+    given = (  # one machine: its store's place, and the option that named it
+        master or flags["rdzv_endpoint"],
+        master_addr,
+        master_port,
+        "master" if master else "rdzv_endpoint",
+    )
     if master is None and master_addr is not None:
         master = f"{master_addr}:{master_port or 29500}"
     nproc, endpoint = flags["nproc"], flags["rdzv_endpoint"]
@@ -130,7 +135,6 @@ def main(script: str | None, script_args: tuple[str, ...], **flags: Any) -> None
     )
     count = arguments.process_count(nproc)
     try:
-        settings = _options(flags, count, master)
         plan = launch_plan.plan(
             flags["nnodes"],
             flags["node_rank"],
@@ -142,6 +146,7 @@ def main(script: str | None, script_args: tuple[str, ...], **flags: Any) -> None
             flags["local_addr"],
             flags["join_timeout"],
         )
+        settings = _options(flags, count, master)  # (after the plan: it names --rdzv-endpoint)
         store = launch_plan.one_node_store(*given)
         output = settings.output
         output.shown(count)  # local ranks: the same on one machine and on each of several

@@ -13,7 +13,7 @@ import click
 
 from autoddp import environment
 from autoddp._warn import one_line, say
-from autoddp.command.arguments import fail
+from autoddp.command.arguments import as_flags, fail
 from autoddp.errors import ConfigurationError, NodesError, RemoteTraceback, WorkerError
 from autoddp.hang import record as hang_record
 from autoddp.launch import in_place, local, nodes
@@ -61,7 +61,7 @@ def run_nodes(
         return 128 + int(error.sigval)
     except BaseException as error:
         if isinstance(error, ConfigurationError) and getattr(error, "autoddp_rank", None) is None:
-            fail(str(error))  # before anything started: node 0's address, say
+            fail(as_flags(str(error)))  # before anything started: node 0's address, say
         return _failed(error)
     return 0
 
@@ -98,7 +98,7 @@ def run_here(
         )
     except BaseException as error:
         if isinstance(error, ConfigurationError) and getattr(error, "autoddp_rank", None) is None:
-            fail(str(error), code=1)  # found here before any worker ran (a taken port): no traceback
+            fail(as_flags(str(error)), code=1)  # found before any worker ran (a taken port): no traceback
         return _failed(error)
     return 0
 

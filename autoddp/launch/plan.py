@@ -59,12 +59,12 @@ def plan(
     backend = rdzv_backend or ("c10d" if rdzv_endpoint and not master else "static")
     if backend not in RDZV_BACKENDS:
         raise ConfigurationError(f"unknown rdzv_backend={backend!r}: use 'static' or 'c10d'")
-    endpoint = rdzv_endpoint or master
+    endpoint, option = (rdzv_endpoint, "rdzv_endpoint") if rdzv_endpoint else (master, "master")
     if not endpoint:
         raise ConfigurationError(
             f"nnodes={nnodes} needs the address of node 0: --master HOST:PORT (or --rdzv-endpoint HOST:PORT)"
         )
-    split_endpoint(endpoint)
+    split_endpoint(endpoint, option)
     if backend == "static":
         if min_nodes != max_nodes:
             raise ConfigurationError(
@@ -109,7 +109,7 @@ def _join_timeout(given: float | None, in_conf: str | None) -> float:
 
 
 def one_node_store(
-    master: str | None, master_addr: str | None, master_port: int | None
+    master: str | None, master_addr: str | None, master_port: int | None, option: str = "master"
 ) -> tuple[str, int | None]:
     """Where a one-machine run's store listens: ``--master`` (or ``--rdzv-endpoint``),
     ``--master-addr``/``--master-port`` honoured (a user opens that port in a firewall), else
@@ -117,7 +117,7 @@ def one_node_store(
     if master and master.rpartition(":")[2] == "0":  # torchrun's --rdzv-endpoint localhost:0: a free port
         return master.rpartition(":")[0].strip("[]") or LOOPBACK, None
     if master:
-        return split_endpoint(master)
+        return split_endpoint(master, option)
     return master_addr or LOOPBACK, master_port
 
 
@@ -150,9 +150,9 @@ def _node_counts(nnodes: str | int | None) -> tuple[int, int]:
     return counts
 
 
-def split_endpoint(endpoint: str) -> tuple[str, int]:
-    """(host, port) of ``HOST:PORT``; ConfigurationError with an example otherwise."""
+def split_endpoint(endpoint: str, option: str = "master") -> tuple[str, int]:
+    """(host, port) of ``HOST:PORT``; ConfigurationError naming ``option``, with an example, otherwise."""
     host, _, port = endpoint.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigurationError(f"{endpoint!r} is not HOST:PORT (for example node0.cluster:29500)")
+        raise ConfigurationError(f"{option}={endpoint!r} is not HOST:PORT (for example node0.cluster:29500)")
     return host.strip("[]"), int(port)
