@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
@@ -381,13 +382,29 @@ def test_under_coverage_run_lines_after_the_block_are_recorded(tmp_path, core):
     }
 
 
+def _other_python(version: str) -> str:
+    """An interpreter of ``version`` on this machine: on PATH (``python3.12``), else pyenv's."""
+    on_path = shutil.which(f"python{version}")
+    if on_path:
+        probe = subprocess.run(
+            [on_path, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True
+        )
+        if probe.returncode == 0 and probe.stdout.decode().strip() == str(
+            tuple(map(int, version.split(".")))
+        ):
+            return on_path
+    roots = {os.environ.get("PYENV_ROOT", ""), os.path.expanduser("~/.pyenv"), "/root/.pyenv"} - {""}
+    paths = sorted(p for root in roots for p in glob.glob(f"{root}/versions/{version}.*/bin/python"))
+    return paths[-1] if paths else ""
+
+
 def _pythons() -> list:
-    """This Python, and pyenv's 3.10, 3.12 and 3.13 where present (CI may lack them)."""
+    """This Python, and 3.10, 3.12 and 3.13 where this machine has them (said by -rs where not)."""
     found = [pytest.param(sys.executable, id="this-python")]
     for version in ("3.10", "3.12", "3.13"):
-        paths = sorted(glob.glob(f"/root/.pyenv/versions/{version}.*/bin/python"))
-        marks = [] if paths else [pytest.mark.skip(reason=f"no pyenv Python {version} here")]
-        found.append(pytest.param(paths[-1] if paths else "", id=version, marks=marks))
+        path = _other_python(version)
+        marks = [] if path else [pytest.mark.skip(reason=f"no Python {version} on PATH or in pyenv here")]
+        found.append(pytest.param(path, id=version, marks=marks))
     return found
 
 
@@ -395,6 +412,8 @@ def _pythons() -> list:
 def test_skip_mechanics_on_other_pythons(python):
     """Each case goes first once: the version branches only matter for a process's first skip."""
     script = os.path.join(HERE, "skip_mechanics.py")
+    version = subprocess.run([python, "-c", "import sys; print(sys.version)"], capture_output=True, text=True)
+    assert version.returncode == 0 and (python == sys.executable or version.stdout[:4] != sys.version[:4])
     for first in ("one-line", "empty", "thread"):
         proc = subprocess.run([python, script, first], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, (first, proc.stdout, proc.stderr)
