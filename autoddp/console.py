@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any, Protocol, TypeVar
 
-from autoddp import world
+from autoddp import _variables, world
 
 T = TypeVar("T")
 
@@ -65,7 +65,7 @@ def print(
         if file is None:  # no console at all (pythonw); the builtin print is silent too
             return
     text = (" " if sep is None else sep).join(str(arg) for arg in args) + ("\n" if end is None else end)
-    if all_ranks and os.environ.get("AUTODDP_LINE_PREFIX") != "1":  # else the launcher prefixes lines
+    if all_ranks and os.environ.get(_variables.LINE_PREFIX) != "1":  # else the launcher prefixes lines
         prefix = f"[rank {here.rank}] "
         text = _LINE_START.sub(lambda _: prefix, text)  # each line, not the end after a final newline
     file.write(text)

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 import autoddp
+from autoddp import _variables
 from autoddp.hang import record
 from autoddp.hang.marks import MARKS
 from autoddp.hang.watch import Watch
@@ -142,7 +143,7 @@ def call_costs_us(calls: int = 200_000) -> dict[str, float]:
 
 def tick_cost_us(ticks: int = 2000) -> float:
     """Microseconds of one check of the launcher's watch over this run's live records."""
-    watch = Watch(os.environ[record.FOLDER_VARIABLE], autoddp.world_size(), 60.0, emit=lambda line: None)
+    watch = Watch(os.environ[_variables.HANG_FOLDER], autoddp.world_size(), 60.0, emit=lambda line: None)
     start = time.perf_counter()
     for _ in range(ticks):
         watch.tick(time.monotonic())

@@ -276,3 +276,14 @@ def test_the_package_ships_its_license_and_type_marker():
     assert "BSD 3-Clause License" in (root / "LICENSE").read_text()
     assert (PACKAGE / "py.typed").exists() and "autoddp = py.typed" in config
     assert (root / "CHANGELOG.md").read_text().startswith("# Changelog")
+
+
+def test_each_autoddp_variable_is_spelled_once():
+    """The launcher-worker contract's names live in ``autoddp/_variables.py``, nowhere else."""
+    spelled = sorted(
+        f"{path.relative_to(PACKAGE)}: {name}"
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "_variables.py"
+        for name in re.findall(r"[\"'](AUTODDP_[A-Z_]+)[\"']", path.read_text())
+    )
+    assert spelled == []

@@ -22,14 +22,13 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from autoddp import _compat
+from autoddp import _compat, _variables
 from autoddp.capture._notice import where
 from autoddp.capture._registry import user_site
 from autoddp.models._class_swap import cached_subclass
 from autoddp.world import transport
 
 _ENTRY = "_autoddp_passes"
-_FOLDER = "AUTODDP_RUN_FOLDER"
 
 
 class _Loader:
@@ -95,7 +94,7 @@ class Passes:
 
     def write(self) -> None:
         """Write this rank's counts to the run folder (when a launcher reads them)."""
-        folder, rank = os.environ.get(_FOLDER), os.environ.get("RANK", "")
+        folder, rank = os.environ.get(_variables.RUN_FOLDER), os.environ.get("RANK", "")
         if not folder or not rank.isdigit() or not self.loaders:
             return
         data = [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from autoddp import _variables
 from autoddp.environment import hardware
 from autoddp.environment._arbitration import launcher_worlds
 from autoddp.environment._base import Environment, read_int, read_port, show
@@ -57,7 +58,7 @@ class AutoDDPWorker(RankVariables):
 
     name = "autoddp worker"
     launcher = "autoddp"
-    markers = ("AUTODDP_RUN_ID", "RANK", "WORLD_SIZE")
+    markers = (_variables.RUN_ID, "RANK", "WORLD_SIZE")
 
     def port_policy(self) -> str:
         port = self.environ.get("MASTER_PORT", "?")

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autoddp import _compat, _patches
+from autoddp import _compat, _patches, _variables
 from autoddp.hang import pending, record
 from autoddp.state import World
 
@@ -243,7 +243,7 @@ def marking(world: World) -> contextlib.AbstractContextManager[None]:
     has several processes and this is the main thread; and inside a block already marked (a
     decorated function called by a script the command runs).
     """
-    folder = os.environ.get(record.FOLDER_VARIABLE)
+    folder = os.environ.get(_variables.HANG_FOLDER)
     if (
         not folder
         or world.world_size <= 1

@@ -22,8 +22,6 @@ import threading
 from autoddp._compat import COLLECTIVES, DDP_BUFFER_BROADCAST
 from autoddp._leftovers import private_folder
 
-#: The workers' environment variable naming the folder of the records (set by the launcher).
-FOLDER_VARIABLE = "AUTODDP_HANG_FOLDER"
 #: ``hang_report`` when not given: seconds a rank may wait for the others before the report.
 DEFAULT_SECONDS = 60.0
 #: The signal that makes a worker write its Python stacks (faulthandler answers it, in C, also

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from autoddp import _variables
 from autoddp.environment import LOOPBACK, hardware
 from autoddp.launch import diagnostics
 from autoddp.launch.side_gloo import side_gloo_variables
@@ -75,9 +76,9 @@ def worker_envs(
         "TORCHELASTIC_MAX_RESTARTS": str(contract.max_restarts),
         "TORCHELASTIC_RUN_ID": run_id,
         "TORCHELASTIC_SIGNALS_TO_HANDLE": os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", SIGNALS_HANDLED),
-        "AUTODDP_RUN_ID": run_id,
-        "AUTODDP_PARENT_PID": str(os.getpid()),
-        "AUTODDP_RUN_FOLDER": folder,  # where a worker reports its error
+        _variables.RUN_ID: run_id,
+        _variables.PARENT_PID: str(os.getpid()),
+        _variables.RUN_FOLDER: folder,  # where a worker reports its error
     }
     threads = hardware.omp_threads(nproc)
     if threads is not None:

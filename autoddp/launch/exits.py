@@ -19,13 +19,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from autoddp import _variables
 from autoddp._warn import one_line, say
 from autoddp.world import finished, transport
 
 #: How long every rank may take to end once all have finished the user's code.
 EXIT_SECONDS = 30.0
-#: A bound of the caller's own (seconds), read by the launcher: tests use a short one.
-SECONDS_VARIABLE = "AUTODDP_EXIT_SECONDS"
 
 
 class Exits:
@@ -33,7 +32,9 @@ class Exits:
 
     def __init__(self, folder: str, nproc: int, seconds: float | None = None) -> None:
         self.folder, self.nproc = folder, nproc
-        self.seconds = float(os.environ.get(SECONDS_VARIABLE, EXIT_SECONDS)) if seconds is None else seconds
+        self.seconds = (
+            float(os.environ.get(_variables.EXIT_SECONDS, EXIT_SECONDS)) if seconds is None else seconds
+        )
         self.stopped: dict[int, float] = {}  # rank -> how long it had not ended
         self._since: float | None = None
         self._stop = threading.Event()

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from autoddp import _warn
+from autoddp import _variables, _warn
 from autoddp._warn import one_line, say
 from autoddp.environment import LOOPBACK, preflight
 from autoddp.errors import ConfigurationError, SerializationError, WorkerError
@@ -171,9 +171,9 @@ def _attempt(
             envs = worker_envs(contract, port, uuid.uuid4().hex, attempt, folder)
             logs = output.logs_specs(folder, nproc)
             for env in envs.values():  # autoddp.print(all_ranks=True) must not prefix twice
-                env["AUTODDP_LINE_PREFIX"] = "1" if output.prefixed else "0"
+                env[_variables.LINE_PREFIX] = "1" if output.prefixed else "0"
                 if hang_report > 0:  # the workers keep their hang records there
-                    env[hang_record.FOLDER_VARIABLE] = records
+                    env[_variables.HANG_FOLDER] = records
             watch = functools.partial(Watch, records, nproc, hang_report)
             exits = Exits(folder, nproc)
             context, result = supervise(entry, entry_args, envs, method, poll_seconds, logs, watch, exits)

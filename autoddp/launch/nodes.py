@@ -15,6 +15,7 @@ import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from autoddp import _variables
 from autoddp._leftovers import private_folder
 from autoddp._warn import one_line, say
 from autoddp.environment import hardware, network
@@ -96,9 +97,9 @@ def run_agent(
         with hang_record.folder() as records, diagnostics.node_traces(os.environ, nodes.run_id, gpus) as nccl:
             variables = {**net.variables, **nccl, **side_gloo_variables(os.environ, gpus)}
             if hang_report > 0:
-                variables[hang_record.FOLDER_VARIABLE] = records
+                variables[_variables.HANG_FOLDER] = records
             # where a worker reports its error, and whether the launcher prefixes its lines
-            own = {"AUTODDP_RUN_FOLDER": folder, "AUTODDP_LINE_PREFIX": "1" if output.prefixed else "0"}
+            own = {_variables.RUN_FOLDER: folder, _variables.LINE_PREFIX: "1" if output.prefixed else "0"}
             exchange = _exchange(nodes, nproc, met)
             watch = Watch(records, nproc, hang_report, node=_node_name(nodes), exchange=exchange)
             failure: BaseException | None = None

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from autoddp import _compat, environment
+from autoddp import _compat, _variables, environment
 from autoddp._compat import forks
 from autoddp.errors import AutoDDPError
 from autoddp.worker.running import Job, portable, run_in_world
@@ -199,7 +199,7 @@ def die_with_parent(parent: int | None = None) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
     if parent is None:
-        known = os.environ.get("AUTODDP_PARENT_PID", "")
+        known = os.environ.get(_variables.PARENT_PID, "")
         parent = int(known) if known.isdigit() else None
     if parent is not None and os.getppid() != parent:
         os._exit(1)  # the parent died before prctl took effect

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from autoddp import _compat, _frames, _patches, capture, environment
+from autoddp import _compat, _frames, _patches, _variables, capture, environment
 from autoddp._compat import gloo_lines
 from autoddp._warn import say
 from autoddp.environment import hardware, preflight
@@ -166,7 +166,7 @@ def main(leave_groups_at_exit: bool = True, kept: KeptGroups | None = None) -> N
     """
     process.die_with_parent()
     gloo_lines.quiet_gloo_connections(stdout.without_lines)  # the script's own process groups too
-    run_folder = os.environ.get("AUTODDP_RUN_FOLDER")
+    run_folder = os.environ.get(_variables.RUN_FOLDER)
     if run_folder:  # a worker of autoddp's launcher (srun, mpirun: their own stdin and stacks)
         process.give_stdin(int(os.environ.get("RANK", "0")))
         # where this rank was if autoddp stops it (a peer timed out or died waiting for it)
@@ -180,7 +180,7 @@ def main(leave_groups_at_exit: bool = True, kept: KeptGroups | None = None) -> N
     try:
         _run_captured(sys.argv[1:], kept)
     except SystemExit as stop:
-        folder = os.environ.get("AUTODDP_RUN_FOLDER")
+        folder = os.environ.get(_variables.RUN_FOLDER)
         if folder and stop.code not in (None, 0):  # the launcher names the rank and the code
             transport.save_error(folder, int(os.environ.get("RANK", "0")), stop)
         _ended(well=stop.code in (None, 0))
@@ -189,7 +189,7 @@ def main(leave_groups_at_exit: bool = True, kept: KeptGroups | None = None) -> N
         sys.exit(128 + 2)
     except BaseException as exc:
         ErrorHandler().record_exception(exc)
-        folder = os.environ.get("AUTODDP_RUN_FOLDER")
+        folder = os.environ.get(_variables.RUN_FOLDER)
         if folder:
             transport.save_error(folder, int(os.environ.get("RANK", "0")), exc)
         exc.__traceback__ = _frames.without_runners(exc.__traceback__)

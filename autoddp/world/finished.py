@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+from autoddp import _variables
 from autoddp.world.transport import write_private
 
 
@@ -19,7 +20,7 @@ def mark_finished(rank: int) -> None:
     A rank still waiting for it in a collective is then told why its peer is gone
     (``launch.failures``). Where no launcher of autoddp's watches, nothing is written.
     """
-    folder = os.environ.get("AUTODDP_RUN_FOLDER")
+    folder = os.environ.get(_variables.RUN_FOLDER)
     if folder:
         with contextlib.suppress(OSError):
             write_private(os.path.join(folder, f"finished-{rank}"), b"")
@@ -37,7 +38,7 @@ LEAVING, ENDED = "leaving", "ended"
 
 def mark(rank: int, stage: str) -> None:
     """In a worker an autoddp launcher started: this rank reached ``stage`` (``LEAVING``, ``ENDED``)."""
-    folder = os.environ.get("AUTODDP_RUN_FOLDER")
+    folder = os.environ.get(_variables.RUN_FOLDER)
     if folder and os.environ.get("WORLD_SIZE", "1") != "1":
         with contextlib.suppress(OSError):
             write_private(os.path.join(folder, f"{stage}-{rank}"), b"")
