@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -53,3 +53,19 @@ def map_items(obj: T, fn: Callable[[Any], Any]) -> T:
             object.__setattr__(result, name, value)  # frozen dataclasses too
         return result
     return obj
+
+
+def leaves(obj: Any) -> Iterator[Any]:
+    """Every item inside ``obj`` that is not itself a container, however deep (the containers
+    ``map_items`` walks: lists, tuples, dicts, dataclasses)."""
+    if isinstance(obj, dict):
+        for value in obj.values():
+            yield from leaves(value)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from leaves(item)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            yield from leaves(getattr(obj, field.name))
+    else:
+        yield obj

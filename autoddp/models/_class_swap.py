@@ -100,6 +100,19 @@ def swap_class(module: torch.nn.Module, cls: type) -> None:
     module.__class__ = cls
 
 
+def unwrap_compiled(module: torch.nn.Module) -> torch.nn.Module:
+    """The module a ``torch.compile`` result holds, compiled in place with the result's settings,
+    the result's calls redirected to it; any other module as it is. DDP and FSDP wrap the real
+    module and keep its compilation."""
+    compiled = _compat.compiled_parts(module)
+    if compiled is None:
+        return module
+    inner, dynamo_ctx = compiled
+    _compat.compile_in_place(inner, dynamo_ctx)
+    redirect_compiled(module)
+    return inner
+
+
 def redirect_compiled(compiled: torch.nn.Module) -> None:
     """Have calls of a ``torch.compile`` result go to its (wrapped, compiled-in-place) module.
 

@@ -21,7 +21,6 @@ so that the optimizer's guard averages those gradients (``_averaging``). Inside 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import threading
 import types
@@ -30,7 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
-from autoddp import _compat, _warn
+from autoddp import _compat, _containers, _warn
 from autoddp.models import _class_swap, _split
 from autoddp.state import CURRENT
 
@@ -245,18 +244,9 @@ class _Watch:
 
 def on_backward(value: Any, hook: Callable[[torch.Tensor], None]) -> None:
     """Hook every tensor in ``value`` (nested lists, tuples, dicts, dataclasses) a backward may reach."""
-    if isinstance(value, torch.Tensor):
-        if value.requires_grad:
-            value.register_hook(hook)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            on_backward(item, hook)
-    elif isinstance(value, dict):
-        for item in value.values():
-            on_backward(item, hook)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for field in dataclasses.fields(value):
-            on_backward(getattr(value, field.name, None), hook)
+    for item in _containers.leaves(value):
+        if isinstance(item, torch.Tensor) and item.requires_grad:
+            item.register_hook(hook)
 
 
 def _watcher(module: torch.nn.Module) -> _Watch | None:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autoddp import _compat, _warn
+from autoddp import _compat, _containers, _warn
 from autoddp.models import _class_swap
 from autoddp.state import CURRENT
 
@@ -33,11 +33,14 @@ _BATCHNORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d,
 
 
 def weigh(output: Any, weight: float) -> None:
-    """Scale the gradients a backward brings to ``output`` (tensors in lists, tuples, dicts) by ``weight``."""
+    """Scale the gradients a backward brings to ``output`` (tensors in lists, tuples, dicts,
+    dataclasses) by ``weight``."""
     if weight == 1.0:
         return
     hook = _zero if weight == 0.0 else _Scale(weight)
-    _each_tensor(output, hook)
+    for item in _containers.leaves(output):
+        if isinstance(item, torch.Tensor) and item.requires_grad:
+            item.register_hook(hook)
 
 
 class _Scale:
@@ -120,18 +123,6 @@ def note(model: torch.nn.Module) -> str:
         f"; {count} BatchNorm {layers} with the global batch's statistics (split_batches: two "
         f"all-reduces per layer and step, one in the forward, one in the backward)"
     )
-
-
-def _each_tensor(value: Any, hook: Any) -> None:
-    if isinstance(value, torch.Tensor):
-        if value.requires_grad:
-            value.register_hook(hook)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            _each_tensor(item, hook)
-    elif isinstance(value, dict):
-        for item in value.values():
-            _each_tensor(item, hook)
 
 
 def convert_batchnorms(module: torch.nn.Module) -> int:

@@ -233,12 +233,7 @@ def wrap_model(
         return module
     if _routing.REPLICA_ATTR in module.__dict__:
         return module
-    compiled = _compat.compiled_parts(module)
-    if compiled is not None:  # torch.compile(model): wrap the real module, keep its compilation
-        inner, dynamo_ctx = compiled
-        _compat.compile_in_place(inner, dynamo_ctx)
-        _class_swap.redirect_compiled(module)
-        module = inner
+    module = _class_swap.unwrap_compiled(module)  # torch.compile(model): the real module, still compiled
     distributed = world.world_size > 1
     if distributed and split_batches:
         sync_batchnorm = _split.convert_batchnorms(module) > 0 or sync_batchnorm  # (no hint due)

@@ -152,12 +152,7 @@ def wrap_model(
 
 def _wrap_model(module: torch.nn.Module, world: World, options: RunOptions, *, move: bool) -> torch.nn.Module:
     fsdp = fsdp_api(torch.device(world.device).type)
-    compiled = _compat.compiled_parts(module)
-    if compiled is not None:
-        inner, dynamo_ctx = compiled
-        _compat.compile_in_place(inner, dynamo_ctx)
-        _class_swap.redirect_compiled(module)
-        module = inner
+    module = _class_swap.unwrap_compiled(module)
     if isinstance(module, fsdp.FSDPModule):
         return module
     meta = _start.is_meta(module)

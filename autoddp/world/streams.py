@@ -129,20 +129,16 @@ class Private:
     @contextlib.contextmanager
     def swapped(self) -> Iterator[None]:
         """Draw from these states inside the block; the user's are back after it."""
+        users = states()
         numpy = sys.modules.get("numpy")
-        users = torch.get_rng_state(), random.getstate(), numpy.random.get_state() if numpy else None
-        torch.set_rng_state(self._torch)
-        random.setstate(self._python)
-        if numpy is not None:
-            if self._numpy is None:
-                self._numpy = numpy.random.RandomState(self.seed % 2**32).get_state()
-            numpy.random.set_state(self._numpy)
+        if numpy is not None and self._numpy is None:
+            self._numpy = numpy.random.RandomState(self.seed % 2**32).get_state()
+        set_states((self._torch, self._python, self._numpy if numpy is not None else None))
         try:
             yield
         finally:
-            self._torch, self._python = torch.get_rng_state(), random.getstate()
-            torch.set_rng_state(users[0])
-            random.setstate(users[1])
-            if numpy is not None:
-                self._numpy = numpy.random.get_state()
-                numpy.random.set_state(users[2])
+            mine = states()
+            self._torch, self._python = mine[0], mine[1]
+            if numpy is not None:  # (NumPy loaded inside the block stays the user's)
+                self._numpy = mine[2]
+            set_states(users)
