@@ -153,14 +153,23 @@ def main(script: str | None, script_args: tuple[str, ...], **flags: Any) -> None
     except ConfigurationError as error:
         fail(arguments.as_flags(str(error)))
     argv = [*_runner_flags(settings), *(["--module"] if flags["as_module"] else []), script, *script_args]
-    how = (flags["max_restarts"], flags["monitor_interval"], settings.hang_report)
+    run = runs.Run(
+        count,
+        argv,
+        output,
+        max_restarts=flags["max_restarts"],
+        monitor_interval=flags["monitor_interval"],
+        hang_report=settings.hang_report,
+        role=flags["role"],
+        start_method=settings.start_method,
+        store=store,
+    )
     if plan.multi:
-        sys.exit(runs.run_nodes(plan, count, argv, how[0], how[1], output, how[2], flags["role"]))
+        sys.exit(runs.run_nodes(plan, run))
     line = arguments.process_line(nproc, count, script_args)
     if line and not flags["quiet"] and not environment.detect().launched:
         click.echo(line, err=True)
-    started = {"start_method": settings.start_method, "role": flags["role"], "store": store}
-    sys.exit(runs.run_here(count, argv, how[0], how[1], output, how[2], **started))
+    sys.exit(runs.run_here(run))
 
 
 def _options(flags: dict[str, Any], count: int, master: str | None) -> options.Options:

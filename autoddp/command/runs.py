@@ -7,6 +7,7 @@ that names its rank (the worker printed its own traceback above it, when it had 
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 
 import click
@@ -23,16 +24,23 @@ from autoddp.launch.contract import DEFAULT_ROLE
 from autoddp.world import transport
 
 
-def run_nodes(
-    plan: launch_plan.Nodes,
-    nproc: int,
-    argv: list[str],
-    max_restarts: int,
-    monitor_interval: float,
-    output: launch_output.Output,
-    hang_report: float = hang_record.DEFAULT_SECONDS,
-    role: str = DEFAULT_ROLE,
-) -> int:
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What the command starts, however it starts it: ``nproc`` processes of ``argv`` (the
+    script runner's flags, the script and its arguments), their output, restarts and watch."""
+
+    nproc: int
+    argv: list[str]
+    output: launch_output.Output
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    hang_report: float = hang_record.DEFAULT_SECONDS
+    role: str = DEFAULT_ROLE
+    start_method: str = "auto"  # (one machine)
+    store: tuple[str, int | None] = (environment.LOOPBACK, None)  # (one machine) where its store listens
+
+
+def run_nodes(plan: launch_plan.Nodes, run: Run) -> int:
     """This machine's share of a multi-node run, through elastic's agent and rendezvous."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
@@ -41,14 +49,14 @@ def run_nodes(
         with transport.run_folder() as folder:
             nodes.run_agent(
                 plan,
-                nproc,
-                ["-m", "autoddp.worker.script", *argv],
+                run.nproc,
+                ["-m", "autoddp.worker.script", *run.argv],
                 folder=folder,
-                output=output,
-                max_restarts=max_restarts,
-                monitor_interval=monitor_interval,
-                hang_report=hang_report,
-                role=role,
+                output=run.output,
+                max_restarts=run.max_restarts,
+                monitor_interval=run.monitor_interval,
+                hang_report=run.hang_report,
+                role=run.role,
             )
     except RendezvousTimeoutError:
         fail(
@@ -66,35 +74,26 @@ def run_nodes(
     return 0
 
 
-def run_here(
-    nproc: int,
-    argv: list[str],
-    max_restarts: int,
-    monitor_interval: float,
-    output: launch_output.Output,
-    hang_report: float = hang_record.DEFAULT_SECONDS,
-    **settings: object,
-) -> int:
-    """Run the script once per process on this machine; the exit status of the command.
-
-    ``settings``: ``start_method``, ``role`` and ``store`` (host, port), as ``launch_script`` takes them.
-    """
+def run_here(run: Run) -> int:
+    """Run the script once per process on this machine; the exit status of the command."""
     env = environment.detect()
     if env.launched:
         # Already one process of a distributed run (srun, mpirun, torchrun): no second layer.
         try:
-            in_place.exec_script(argv, env.world())
+            in_place.exec_script(run.argv, env.world())
         except ConfigurationError as error:
             fail(str(error))
     try:
         local.launch_script(
-            argv,
-            nproc=nproc,
-            max_restarts=max_restarts,
-            poll_seconds=monitor_interval,
-            output=output,
-            hang_report=hang_report,
-            **settings,  # type: ignore[arg-type]
+            run.argv,
+            nproc=run.nproc,
+            max_restarts=run.max_restarts,
+            poll_seconds=run.monitor_interval,
+            output=run.output,
+            hang_report=run.hang_report,
+            start_method=run.start_method,
+            role=run.role,
+            store=run.store,
         )
     except BaseException as error:
         if isinstance(error, ConfigurationError) and getattr(error, "autoddp_rank", None) is None:
