@@ -234,16 +234,11 @@ class Options:
 
     @property
     def run_options(self) -> RunOptions:
-        return RunOptions(
-            strategy=self.strategy,
-            ddp_kwargs=dict(self.ddp or {}),
-            sync_batchnorm=self.sync_batchnorm,
-            capture=self.capture,
-            fsdp_blocks=tuple(self.fsdp_blocks),
-            mixed_precision=self.mixed_precision,
-            cpu_offload=self.cpu_offload,
-            split_batches=self.split_batches,
-        )
+        # derived by name (a field added to RunOptions is read from the option of its name)
+        names = [f.name for f in dataclasses.fields(RunOptions) if f.name != "ddp_kwargs"]
+        same = {name: getattr(self, name) for name in names}
+        same.update(ddp_kwargs=dict(self.ddp or {}), fsdp_blocks=tuple(self.fsdp_blocks))
+        return RunOptions(**same)
 
     def process_count(self, backend: process_group.Backend, gpus: int) -> int:
         if self.nproc is None:
