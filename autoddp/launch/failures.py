@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import signal
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from autoddp import _compat, _frames
@@ -83,6 +84,17 @@ ELSEWHERE_NOTE = (
 )
 
 
+def triage_order(report: transport.ErrorReport) -> tuple[bool, float]:
+    """The triage's one order of the failures ranks reported: a rank's own failure before one
+    that only lost a peer (a consequence), then the earliest."""
+    return report.is_consequence, report.time
+
+
+def lead_report(reports: Iterable[transport.ErrorReport]) -> transport.ErrorReport | None:
+    """The report the triage leads with (``triage_order``), or None for none."""
+    return min(reports, key=triage_order, default=None)
+
+
 def root_cause(ended: Ended, folder: str, world_size: int, records: str = "") -> BaseException:
     """The exception to raise in the caller: the root-cause failure, others listed briefly.
 
@@ -96,9 +108,7 @@ def root_cause(ended: Ended, folder: str, world_size: int, records: str = "") ->
     # (is a consequence of another failure, when, rank, exception, one-line summary)
     entries: list[tuple[bool, float, int, BaseException, str]] = []
     for rank, report in reports.items():
-        entries.append(
-            (report.is_consequence, report.time, rank, report.rebuild(world_size), report.summary())
-        )
+        entries.append((*triage_order(report), rank, report.rebuild(world_size), report.summary()))
     detected_at = time.time()
     for rank, code in sorted(codes.items()):
         if rank not in reports and code not in (0, None, -signal.SIGTERM):

@@ -29,6 +29,7 @@ from typing import Any
 
 from autoddp._warn import one_line, say
 from autoddp.errors import NodesError, WorkerError
+from autoddp.launch import failures
 from autoddp.launch.heartbeat import Beat
 from autoddp.launch.plan import DEFAULT_JOIN_TIMEOUT
 from autoddp.world import transport
@@ -226,7 +227,7 @@ class Meeting:
 
     def _lead_report(self) -> transport.ErrorReport | None:
         reports = transport.load_errors(self.folder) if self.folder else {}
-        return min(reports.values(), key=lambda r: (r.is_consequence, r.time)) if reports else None
+        return failures.lead_report(reports.values())
 
     # the meeting
     def _agents_store(self) -> Any:

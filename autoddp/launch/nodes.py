@@ -190,7 +190,7 @@ def _began_elsewhere(lead: BaseException, met: meeting.Meeting | None, world_siz
     deaths = {n: e for n, e in told.items() if isinstance(e, WorkerError)}
     stops = {n: e for n, e in told.items() if isinstance(e, NodesError)}
     if causes:
-        node, cause = min(causes.items(), key=lambda item: item[1].time)
+        node, cause = min(causes.items(), key=lambda item: failures.triage_order(item[1]))
         error, rank = cause.rebuild(world_size), cause.rank
     elif deaths:
         node, error = min(deaths.items())
