@@ -8,7 +8,9 @@ And no report where nobody is late (ranks computing, rank 0 busy in a ``rank0()`
 
 from __future__ import annotations
 
+import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
@@ -455,3 +457,39 @@ def test_a_situation_is_reported_once_then_at_most_every_repeat_and_anew_when_it
     assert sum("hang report" in line for line in said) == 3
     for writer in writers:
         writer.close()
+
+
+DUMPS_ON_SIGNAL = """
+import faulthandler, signal, sys, threading, time
+dump = open(sys.argv[1], "w")
+faulthandler.register(signal.SIGUSR2, file=dump, all_threads=True, chain=False)
+for _ in range(40):  # a long dump: 41 threads' stacks
+    threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+blocker = threading.Thread(target=lambda: (signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2}),
+                                           time.sleep(600)), daemon=True)
+blocker.start()  # a thread that always blocks the signal must not make the wait endless
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_dump_is_read_once_the_handler_has_run_not_when_the_file_looks_still(tmp_path):
+    """The launcher's wait for a worker's stacks ends when the signal was handled: the whole
+    dump is there, every thread's stack, however slowly the handler wrote it."""
+    dump = tmp_path / "dump"
+    child = subprocess.Popen(
+        [sys.executable, "-c", DUMPS_ON_SIGNAL, str(dump)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        before = stacks._signal_state(child.pid, signal.SIGUSR2)[1]
+        assert len(before) == 1  # the blocker
+        os.kill(child.pid, signal.SIGUSR2)
+        while not stacks._handled(child.pid, signal.SIGUSR2, before) or not dump.read_text():
+            time.sleep(0.001)
+        text = dump.read_text()
+        assert text.count("Thread 0x") + text.count("Current thread 0x") == 42, text
+        assert text.endswith("\n")
+    finally:
+        child.kill()
+        child.wait()

@@ -20,6 +20,8 @@ from autoddp.hang import record
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+)")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 _WAIT_SECONDS = 2.0
+#: The signal masks of /proc/PID/task/TID/status read: pending (the thread's, the process's), blocked.
+_MASKS = ("SigPnd", "ShdPnd", "SigBlk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +47,9 @@ def where(path: str, line: int) -> str:
 def collect(folder: str, records: Iterable[record.Record]) -> dict[int, list[Frame]]:
     """Ask each worker for its stacks; the main thread's frames (most recent first), by local rank.
 
-    A worker that does not answer within a couple of seconds is left out.
+    A dump is read once the worker's handler has run to its end: the signal no longer pending
+    and no thread inside the handler (``_handled``), never "the file stopped growing", which a
+    loaded machine can fake. A worker that does not answer within a couple of seconds is left out.
     """
     asked = {}
     for rec in records:
@@ -54,20 +58,49 @@ def collect(folder: str, records: Iterable[record.Record]) -> dict[int, list[Fra
         path = record.dump_path(folder, rec.local_rank)
         try:
             os.truncate(path, 0)
+            blocking = _signal_state(rec.pid, record.DUMP_SIGNAL)[1]  # threads that always block it
             os.kill(rec.pid, record.DUMP_SIGNAL)
         except OSError:
             continue
-        asked[rec.local_rank] = (path, rec.thread)
+        asked[rec.local_rank] = (path, rec.thread, rec.pid, blocking)
     texts: dict[int, str] = {}
     deadline = time.monotonic() + _WAIT_SECONDS
     while asked.keys() - texts.keys() and time.monotonic() < deadline:
-        time.sleep(0.05)
-        pending = {rank: _read(path) for rank, (path, _) in asked.items() if rank not in texts}
-        time.sleep(0.02)
-        for rank, text in pending.items():
-            if text and text == _read(asked[rank][0]):  # done writing
-                texts[rank] = text
+        time.sleep(0.01)
+        for rank, (path, _, pid, blocking) in asked.items():
+            if rank not in texts and _handled(pid, record.DUMP_SIGNAL, blocking):
+                text = _read(path)
+                if text:  # (empty: the handler has not begun; ask again)
+                    texts[rank] = text
     return {rank: main_thread(texts[rank], asked[rank][1]) for rank in texts}
+
+
+def _handled(pid: int, signum: int, blocking: frozenset[int]) -> bool:
+    """Whether ``signum``, sent to ``pid``, has been handled: not pending, and no thread blocks
+    it but those that did before it was sent (faulthandler's handler runs with it blocked)."""
+    try:
+        pending, now_blocking = _signal_state(pid, signum)
+    except OSError:  # the process is gone
+        return True
+    return not pending and now_blocking <= blocking
+
+
+def _signal_state(pid: int, signum: int) -> tuple[bool, frozenset[int]]:
+    """(``signum`` pending for ``pid`` or one of its threads, the threads blocking it), from /proc."""
+    bit = 1 << (signum - 1)
+    pending, blocking = False, set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as handle:
+                masks = dict(
+                    line.split(":", 1) for line in handle if line.startswith(("SigPnd", "ShdPnd", "SigBlk"))
+                )
+        except OSError:  # the thread ended
+            continue
+        pending |= any(int(masks[k], 16) & bit for k in ("SigPnd", "ShdPnd") if k in masks)
+        if int(masks.get("SigBlk", "0"), 16) & bit:
+            blocking.add(int(tid))
+    return pending, frozenset(blocking)
 
 
 def main_thread(dump: str, thread: int) -> list[Frame]:
