@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import interleave
 from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler
 
 import autoddp
@@ -40,11 +41,6 @@ def _all(value):
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
-
-
-def _interleave(shares):
-    """The global order whose position i * W + r is rank r's i-th item."""
-    return [share[i] for i in range(len(shares[0])) for share in shares]
 
 
 # -- 1. huge and endless samplers are streamed, not drawn in full --------------------------------
@@ -81,7 +77,7 @@ def test_a_huge_sampler_is_streamed_and_shared_out_by_position():
     reference = RandomSampler(
         Indices(10), replacement=True, num_samples=HUGE, generator=torch.Generator().manual_seed(out["seed"])
     )
-    assert _interleave(shares) == list(itertools.islice(reference, 2 * STEPS * 4))
+    assert interleave(shares) == list(itertools.islice(reference, 2 * STEPS * 4))
     assert out["own_stream"]  # the user's stream: one process's sampler's draw, then the user's draws
 
 
@@ -120,7 +116,7 @@ def test_an_endless_sampler_without_a_length_is_streamed():
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(out["seed"])
         reference = list(itertools.islice(iter(Forever(10)), 2 * 3000 * 3))
-    assert _interleave(out["seen"]) == reference
+    assert interleave(out["seen"]) == reference
 
 
 ENDLESS_SCRIPT = """
@@ -152,7 +148,7 @@ def test_an_unmodified_script_trains_for_n_iterations_on_a_huge_sampler(tmp_path
     assert ranks[0]["seed"] == ranks[1]["seed"]
     generator = torch.Generator().manual_seed(ranks[0]["seed"])
     reference = RandomSampler(Indices(10), replacement=True, num_samples=HUGE, generator=generator)
-    assert _interleave([r["seen"] for r in ranks]) == list(itertools.islice(reference, 400))
+    assert interleave([r["seen"] for r in ranks]) == list(itertools.islice(reference, 400))
     assert "sharded" in result.stderr
 
 
@@ -221,7 +217,7 @@ def test_a_sampler_shuffling_with_random_and_numpy_is_split_disjointly():
     rank0, rank1 = out["epochs"]
     for epoch in range(3):
         assert sorted(rank0[epoch] + rank1[epoch]) == list(range(40))  # none unseen, none twice
-    assert len({tuple(_interleave([rank0[e], rank1[e]])) for e in range(3)}) == 3  # reshuffled
+    assert len({tuple(interleave([rank0[e], rank1[e]])) for e in range(3)}) == 3  # reshuffled
     assert out["own"] == [True] * 3  # the user's random stream advances as one process's
 
 
@@ -252,7 +248,7 @@ def test_a_loader_made_anew_every_epoch_reshuffles_as_in_one_process():
     one = _new_loader_every_epoch()
     rank0, rank1 = _new_loader_every_epoch_on_two()
     for name in ("global", "fresh", "reused"):
-        orders = [_interleave([rank0[name][e], rank1[name][e]]) for e in range(3)]
+        orders = [interleave([rank0[name][e], rank1[name][e]]) for e in range(3)]
         assert all(sorted(order) == list(range(16)) for order in orders), name  # disjoint, complete
         # a new order every epoch where one process has one (the global generator, a generator
         # reused), the same order where one process repeats it (a fresh generator, same seed)
@@ -282,7 +278,7 @@ def test_an_unmodified_script_making_its_loader_every_epoch_reshuffles(tmp_path)
     result = run_python(["-m", "autoddp.cli", "-n", "2", str(script), str(tmp_path / "out")])
     assert result.returncode == 0, result.stderr
     rank0, rank1 = [json.loads((tmp_path / f"out.{r}").read_text()) for r in (0, 1)]
-    orders = [_interleave([rank0[e], rank1[e]]) for e in range(3)]
+    orders = [interleave([rank0[e], rank1[e]]) for e in range(3)]
     assert all(sorted(order) == list(range(16)) for order in orders)
     assert len({tuple(order) for order in orders}) == 3
 
@@ -357,7 +353,7 @@ def test_a_loader_subclass_with_its_own_iter_is_sharded_or_left_whole_by_its_ord
     out = _reused_workers()
     assert out["len"] == [[3, 5], [3, 5]]  # 10 samples each in batches of 4; all 20 for evaluation
     rank0, rank1 = out["epochs"]
-    orders = [_interleave([rank0[e], rank1[e]]) for e in range(3)]
+    orders = [interleave([rank0[e], rank1[e]]) for e in range(3)]
     assert all(sorted(order) == list(range(20)) for order in orders)  # disjoint, complete
     assert len({tuple(order) for order in orders}) == 3  # reshuffled every epoch
     assert out["evaluated"] == [[list(range(20))] * 3] * 2  # in order: every rank all of it

@@ -10,18 +10,12 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
+from helpers import gather
 
 import autoddp
 from autoddp import WorkerError
 from autoddp.checkpoint.files import TEMPORARY_SUFFIX, load, save
 from autoddp.errors import Rank0Error
-
-
-def _gather(value):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def test_save_from_rank0_and_load_everywhere(tmp_path):
@@ -58,7 +52,7 @@ def test_save_from_rank0_and_load_everywhere(tmp_path):
         finally:
             torch.save = real_save
         leftovers = sorted(os.listdir(os.path.dirname(path)))
-        return _gather(
+        return gather(
             {
                 "missing": missing,
                 "failure": failure,

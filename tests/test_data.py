@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import interleave
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -105,15 +106,10 @@ def _joined(batches):
     return [i for batch in batches for i in batch]
 
 
-def _interleave(shares):
-    """The global order whose position i * W + r is rank r's i-th item."""
-    return [share[i] for i in range(len(shares[0])) for share in shares]
-
-
 def _assert_partition(shares, n):
     """Each rank's share is disjoint from the others and together they cover range(n)."""
     assert all(len(s) == len(shares[0]) for s in shares)
-    assert sorted(_interleave(shares)) == list(range(n))
+    assert sorted(interleave(shares)) == list(range(n))
 
 
 # -- order: shuffling, epochs, seeds -------------------------------------------------------------
@@ -153,7 +149,7 @@ def test_shuffled_epochs_are_disjoint_complete_different_and_seeded():
     globals_ = []
     for epoch in range(3):
         _assert_partition([rank0[epoch], rank1[epoch]], 10)
-        globals_.append(_interleave([rank0[epoch], rank1[epoch]]))
+        globals_.append(interleave([rank0[epoch], rank1[epoch]]))
     assert len({tuple(order) for order in globals_}) == 3  # every epoch reshuffles
     assert first["again"] == rank0[:2]  # set_epoch(0) wins, then the epochs continue from it
     assert repeat["epochs"] == first["epochs"]  # same torch.manual_seed, same order
@@ -172,7 +168,7 @@ def test_ranks_agree_on_the_order_even_when_seeded_differently():
     shares, lengths = _seeds_differ_per_rank()
     assert lengths == [3, 3]
     assert [len(s) for s in shares] == [5, 5]  # 9 samples padded to 10
-    order = _interleave(shares)
+    order = interleave(shares)
     assert sorted(order[:9]) == list(range(9)) and order[9] == order[0]
 
 
@@ -193,7 +189,7 @@ def test_odd_dataset_gives_every_rank_the_same_number_of_batches():
     assert seq0 == [0, 2, 4, 6, 8, 10] and seq1 == [1, 3, 5, 7, 9, 0]  # padded from the start
     (len0, seen0, shuf0), (len1, seen1, shuf1) = out[True]
     assert len0 == len1 == seen0 == seen1 == 3
-    order = _interleave([shuf0, shuf1])
+    order = interleave([shuf0, shuf1])
     assert sorted(order[:11]) == list(range(11)) and order[11] == order[0]
 
 
@@ -287,7 +283,7 @@ def test_every_setting_survives_and_persistent_workers_iterate_two_epochs():
             assert all(markers and all(m.startswith("worker") for m in markers) for *_, markers in batches)
             shares.append([i for _, ids, _ in batches for i in ids])
         _assert_partition(shares, 12)
-        orders.append(_interleave(shares))
+        orders.append(interleave(shares))
     assert orders[0] != orders[1]
 
 
@@ -399,7 +395,7 @@ def test_batch_samplers_stay_batched_and_are_distributed():
     rank0, rank1 = out["custom"]
     for epoch in range(2):
         assert len(rank0[epoch]) == len(rank1[epoch]) == 3
-        order = _interleave([rank0[epoch], rank1[epoch]])
+        order = interleave([rank0[epoch], rank1[epoch]])
         assert sorted(order[:5]) == [[2 * b, 2 * b + 1] for b in range(5)] and order[5] == order[0]
     assert rank0[0] != rank0[1] or rank1[0] != rank1[1]
 
@@ -432,7 +428,7 @@ def test_other_samplers_are_shared_out_disjointly():
     rank0, rank1 = out["weighted"]
     for epoch in range(2):
         assert len(rank0[epoch]) == len(rank1[epoch]) == 6
-        order = _interleave([rank0[epoch], rank1[epoch]])
+        order = interleave([rank0[epoch], rank1[epoch]])
         assert len(set(order)) == 12  # drawn without replacement: ranks share one draw
     assert rank0[0] != rank0[1]
     rank0, rank1 = out["subset"]

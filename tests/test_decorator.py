@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import gather
 
 import autoddp
 from autoddp import ConfigurationError, SerializationError, WorkerError
@@ -35,14 +36,8 @@ def _report(tag):
         "env": {
             k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
         },
-        "ranks": _gather(autoddp.rank()),
+        "ranks": gather(autoddp.rank()),
     }
-
-
-def _gather(value):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -71,7 +66,7 @@ def test_rank0_result_reaches_the_caller(method):
 def test_worker_environment_and_threads():
     @autoddp.distributed(nproc=2)
     def probe():
-        return _gather(
+        return gather(
             (
                 os.environ["MASTER_PORT"],
                 os.environ.get("OMP_NUM_THREADS"),

@@ -13,6 +13,7 @@ import types
 import uuid
 
 import pytest
+from helpers import open_mpi_rank, torchrun_worker
 
 from autoddp import ConfigurationError, environment
 from autoddp.command.report import describe
@@ -104,23 +105,6 @@ def salloc_shell(ntasks: int = 4, job_id: int = 777) -> dict[str, str]:
     }
 
 
-def open_mpi_rank(rank: int, size: int = 4, local_size: int = 4, namespace: str = "prterun-host-4711@1"):
-    """The variables Open MPI's mpirun gives a rank (ranks placed node by node)."""
-    return {
-        "OMPI_COMM_WORLD_RANK": str(rank),
-        "OMPI_COMM_WORLD_SIZE": str(size),
-        "OMPI_COMM_WORLD_LOCAL_RANK": str(rank % local_size),
-        "OMPI_COMM_WORLD_LOCAL_SIZE": str(local_size),
-        "OMPI_COMM_WORLD_NODE_RANK": str(rank % local_size),
-        "OMPI_UNIVERSE_SIZE": str(size),
-        "OMPI_FIRST_RANKS": "0",
-        "OMPI_APP_CTX_NUM_PROCS": str(size),
-        "PMIX_RANK": str(rank),
-        "PMIX_NAMESPACE": namespace,
-        "OMPI_MCA_ess_base_vpid": str(rank),
-    }
-
-
 def hydra_rank(rank: int, size: int = 4, local_size: int = 4, **extra: str) -> dict[str, str]:
     """The variables MPICH's / Intel MPI's Hydra mpiexec gives a rank."""
     return {
@@ -130,20 +114,6 @@ def hydra_rank(rank: int, size: int = 4, local_size: int = 4, **extra: str) -> d
         "MPI_LOCALRANKID": str(rank % local_size),
         "MPI_LOCALNRANKS": str(local_size),
         **extra,
-    }
-
-
-def torchrun_worker(rank: int, world_size: int = 8, local_world_size: int = 4) -> dict[str, str]:
-    return {
-        "TORCHELASTIC_RUN_ID": "job-1",
-        "TORCHELASTIC_RESTART_COUNT": "0",
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(rank % local_world_size),
-        "LOCAL_WORLD_SIZE": str(local_world_size),
-        "GROUP_RANK": str(rank // local_world_size),
-        "MASTER_ADDR": "node01",
-        "MASTER_PORT": "29400",
     }
 
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import open_mpi_rank, torchrun_worker
 
 from autoddp import environment
 from autoddp.environment import preflight
@@ -108,33 +109,10 @@ def facts(environ: dict[str, str], gpus: int) -> preflight.Placement:
     return preflight.placement(env.world(), env, environ, gpus)
 
 
-def torchrun_worker(local_rank: int, nproc: int) -> dict[str, str]:
-    return {
-        "TORCHELASTIC_RUN_ID": "x",
-        "RANK": str(local_rank),
-        "LOCAL_RANK": str(local_rank),
-        "WORLD_SIZE": str(nproc),
-        "LOCAL_WORLD_SIZE": str(nproc),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": "29500",
-    }
-
-
-def open_mpi_rank(local_rank: int, size: int, **extra: str) -> dict[str, str]:
-    return {
-        "OMPI_COMM_WORLD_RANK": str(local_rank),
-        "OMPI_COMM_WORLD_SIZE": str(size),
-        "OMPI_COMM_WORLD_LOCAL_RANK": str(local_rank),
-        "OMPI_COMM_WORLD_LOCAL_SIZE": str(size),
-        "PMIX_NAMESPACE": "job1",
-        **extra,
-    }
-
-
 def test_each_rank_gets_its_own_gpu_or_an_error_naming_the_numbers_and_the_flag():
     # torchrun --nproc-per-node 2 on one GPU: local rank 1 has no cuda:1, rank 0 would be alone
     with pytest.raises(ConfigurationError) as error:
-        preflight.gpu_index(facts(torchrun_worker(1, 2), gpus=1))
+        preflight.gpu_index(facts(torchrun_worker(1, 2, 2), gpus=1))
     text = str(error.value)
     assert "2 ranks run on node 0 but local rank 1 sees 1 GPU(s) (CUDA_VISIBLE_DEVICES unset)" in text
     assert "torchrun --nproc-per-node=1" in text and "invalid device ordinal" in text
@@ -159,12 +137,12 @@ def test_each_rank_gets_its_own_gpu_or_an_error_naming_the_numbers_and_the_flag(
     # the same binding told only by the counts (8 on the node, 1 visible to the task)
     assert preflight.gpu_index(facts(slurm_task(5, 8, 1, SLURM_STEP_GPUS="0,1,2,3,4,5,6,7"), gpus=1)) == 0
     # every GPU visible, one per rank: cuda:<local rank>
-    assert [preflight.gpu_index(facts(torchrun_worker(r, 8), gpus=8)) for r in range(8)] == list(range(8))
+    assert [preflight.gpu_index(facts(torchrun_worker(r, 8, 8), gpus=8)) for r in range(8)] == list(range(8))
     # mpirun with a wrapper that gives each rank its GPU (CUDA_VISIBLE_DEVICES=$OMPI_COMM_WORLD_LOCAL_RANK)
-    assert preflight.gpu_index(facts(open_mpi_rank(3, 4, CUDA_VISIBLE_DEVICES="3"), gpus=1)) == 0
+    assert preflight.gpu_index(facts(open_mpi_rank(3, 4, 4, CUDA_VISIBLE_DEVICES="3"), gpus=1)) == 0
     # mpirun -np 4 on a machine of 2 GPUs, nothing bound
     with pytest.raises(ConfigurationError, match=r"mpirun --map-by ppr:2:node"):
-        preflight.gpu_index(facts(open_mpi_rank(0, 4), gpus=2))
+        preflight.gpu_index(facts(open_mpi_rank(0, 4, 4), gpus=2))
 
 
 def test_idle_gpus_are_said_with_the_flag_that_uses_them():
@@ -176,9 +154,11 @@ def test_idle_gpus_are_said_with_the_flag_that_uses_them():
             f"autoddp: node {rank}: 8 GPU(s) visible to the 1 rank(s) of node {rank}, 1 used: 7 stay idle. "
             "Start one rank per GPU: srun --ntasks-per-node=8"
         )
-    assert preflight.idle_notice(facts(torchrun_worker(0, 2), gpus=8)).endswith("torchrun --nproc-per-node=8")
-    assert preflight.idle_notice(facts(torchrun_worker(1, 2), gpus=8)) is None  # local rank 0 says it
-    assert preflight.idle_notice(facts(torchrun_worker(0, 8), gpus=8)) is None
+    assert preflight.idle_notice(facts(torchrun_worker(0, 2, 2), gpus=8)).endswith(
+        "torchrun --nproc-per-node=8"
+    )
+    assert preflight.idle_notice(facts(torchrun_worker(1, 2, 2), gpus=8)) is None  # local rank 0 says it
+    assert preflight.idle_notice(facts(torchrun_worker(0, 8, 8), gpus=8)) is None
     per_task = slurm_task(0, 8, 1, SLURM_GPUS_PER_TASK="1", SLURM_GPUS_ON_NODE="8")
     assert preflight.idle_notice(facts(per_task, gpus=1)) is None
     # srun -n 2 --gpus-per-task=4 on 8 GPUs: each task uses 1 of its 4

@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
 import pytest
+from helpers import free_port
 
 from autoddp import ConfigurationError, distributed
 from autoddp.hang import message, record, stacks, verdict
@@ -278,12 +278,6 @@ def test_hang_report_0_turns_it_off_and_bad_values_are_clear_errors(tmp_path):
     assert cli.returncode == 2 and "--hang-report" in cli.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("rendezvous", ["static", "c10d"])
 def test_across_nodes_node0_names_the_late_rank_or_each_node_reports_its_own(
     tmp_path, monkeypatch, rendezvous
@@ -293,7 +287,7 @@ def test_across_nodes_node0_names_the_late_rank_or_each_node_reports_its_own(
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         monkeypatch.delenv(name, raising=False)
     script = write(tmp_path / "job.py", TORCHRUN_STYLE_LATE_RANK)
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     runs: list[Run] = []
 
     def node(rank: int) -> None:

@@ -12,8 +12,8 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
+from helpers import gone
 
 from autoddp import _leftovers
 from conftest import write
@@ -60,22 +60,6 @@ def _owned_by(pid: int, *bases: str) -> list[str]:
     return found
 
 
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _gone(pids: list[int], timeout: float = 10) -> bool:
-    deadline = time.monotonic() + timeout
-    while any(_running(pid) for pid in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
 @pytest.mark.timeout(120)
 def test_the_next_start_removes_a_killed_runs_folders_and_keeps_a_live_runs(tmp_path):
     tmpdir = tmp_path / "tmp"
@@ -92,7 +76,7 @@ def test_the_next_start_removes_a_killed_runs_folders_and_keeps_a_live_runs(tmp_
         killed_workers, _ = _ready(tmp_path / "killed", 2), _ready(tmp_path / "live", 1)
         os.killpg(killed.pid, signal.SIGKILL)  # the command and its workers: no cleanup runs
         killed.communicate(timeout=30)
-        assert _gone(killed_workers)
+        assert gone(killed_workers)
         left = _owned_by(killed.pid, *bases)
         assert len(left) == 2, left  # its run folder and its hang records stayed
         live_folders = _owned_by(live.pid, *bases)

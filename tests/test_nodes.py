@@ -4,22 +4,16 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
 from cluster_tools import speaking
+from helpers import free_port
 
 from autoddp import ConfigurationError
 from autoddp.launch import plan as nodes
 from conftest import GLOO_TIMEOUT, LAUNCHER_NAMES, LAUNCHER_PREFIXES, write
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _both(commands, env=None):
@@ -41,7 +35,7 @@ def test_two_command_launchers_form_one_world(tmp_path, monkeypatch):
         sys.stdout.write(f"rank={dist.get_rank()} world={dist.get_world_size()} sum={t.item()}\\n")
         """,
     )
-    master = f"127.0.0.1:{_free_port()}"
+    master = f"127.0.0.1:{free_port()}"
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     results = _both(
@@ -89,7 +83,7 @@ def test_decorated_function_on_two_nodes_returns_rank0_value_on_node0(tmp_path):
         sys.stdout.write(f"node {sys.argv[1]}: {train()}\\n")
         """,
     )
-    master = f"127.0.0.1:{_free_port()}"
+    master = f"127.0.0.1:{free_port()}"
     results = _both([[sys.executable, str(script), str(r), master] for r in (0, 1)])
     assert all(p.returncode == 0 for p, _, _ in results), [e for _, _, e in results]
     assert [out.strip() for _, out, _ in results] == ["node 0: (0, 2, 3.0)", "node 1: None"]
@@ -161,7 +155,7 @@ def two_runs(tmp_path_factory):
     env = {n: v for n, v in env.items() if n not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
     (speaks, _), late, logs = speaking(folder), write(folder / "late.py", LATE), folder / "D"
     command = [sys.executable, "-m", "autoddp.cli", "--nnodes", "2", "-n", "2", "--log-dir", str(logs)]
-    master, other = f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"
+    master, other = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     commands = {
         ("output", 0): [*command, "--node-rank", "0", "--master", master, "--ranks", "all", str(speaks)],
         ("output", 1): [*command, "--node-rank", "1", "--master", master, str(speaks)],

@@ -8,8 +8,8 @@ import os
 import sys
 import time
 
-import psutil
 import pytest
+from helpers import running
 
 nbclient = pytest.importorskip("nbclient")
 nbformat = pytest.importorskip("nbformat")
@@ -127,13 +127,6 @@ def test_functions_defined_in_notebook_cells(tmp_path, kernel):
     kernel_pid, worker_pids = ast.literal_eval(_result(pids))
     assert len(set(worker_pids) | {kernel_pid}) == 3
     deadline = time.monotonic() + 10
-    while any(map(_running, [kernel_pid, *worker_pids])) and time.monotonic() < deadline:
+    while any(map(running, [kernel_pid, *worker_pids])) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(map(_running, [kernel_pid, *worker_pids]))
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+    assert not any(map(running, [kernel_pid, *worker_pids]))

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.utils.prune as prune
+from helpers import free_port
 from torch import nn
 
 import autoddp
@@ -120,12 +120,6 @@ def test_a_data_set_that_grows_and_shrinks_between_epochs_is_shared_out_at_its_l
         assert sorted(shares[0]["seen"] + shares[1]["seen"]) == list(range(n))  # each sample once
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 OWN_GROUP = """
 import os, sys
 import torch
@@ -142,7 +136,7 @@ dist.destroy_process_group()
 @pytest.mark.timeout(75)
 def test_a_scripts_own_group_of_one_process_is_refused_at_its_line(tmp_path):
     script = write(tmp_path / "own_group.py", OWN_GROUP.replace("RANKS", "rank=0, world_size=1"))
-    result = run_python(["-m", "autoddp.cli", "-n", "2", str(script), str(_free_port())], timeout=60)
+    result = run_python(["-m", "autoddp.cli", "-n", "2", str(script), str(free_port())], timeout=60)
     assert result.returncode != 0
     # (every rank refuses it; the report leads with whichever rank failed first)
     assert re.search(
@@ -158,7 +152,7 @@ def test_a_scripts_own_tcp_address_is_served_by_rank_0(tmp_path, capture):
     ranks = "rank=int(os.environ['RANK']), world_size=int(os.environ['WORLD_SIZE'])"
     script = write(tmp_path / "own_address.py", OWN_GROUP.replace("RANKS", ranks))
     flags = [] if capture else ["--no-capture"]
-    command = ["-m", "autoddp.cli", "-n", "2", "--ranks", "all", *flags, str(script), str(_free_port())]
+    command = ["-m", "autoddp.cli", "-n", "2", "--ranks", "all", *flags, str(script), str(free_port())]
     result = run_python(command, timeout=60)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rank 0 of 2: 2.0" in result.stdout and "rank 1 of 2: 2.0" in result.stdout

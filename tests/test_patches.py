@@ -11,10 +11,10 @@ import contextlib
 import json
 import multiprocessing
 import os
-import socket
 
 import pytest
 import torch
+from helpers import free_port
 from patch_inspection import inspected, reports
 
 import autoddp
@@ -190,12 +190,6 @@ def _in_place_kinds(rank: int, port: int, folder: str) -> None:
         os._exit(code)  # (a fork of pytest: none of its exit handlers)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @autoddp.distributed(nproc=2, start_method="fork")
 def _forked_training(folder: str):
     model = torch.nn.Linear(2, 1)
@@ -214,7 +208,7 @@ def test_after_every_kind_of_run_every_patched_attribute_is_the_original(tmp_pat
     # a decorated call beside them forks its own two workers.
     in_place = [
         multiprocessing.get_context("fork").Process(target=_in_place_kinds, args=(rank, port, str(tmp_path)))
-        for port in [_free_port()]
+        for port in [free_port()]
         for rank in (0, 1)
     ]
     for process in in_place:

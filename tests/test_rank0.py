@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import gather
 
 import autoddp
 from autoddp.errors import CollectiveInRank0Error, ConfigurationError, Rank0Error
@@ -35,12 +36,6 @@ def _append(path: str, text: str) -> None:
 
 def _lines(path) -> list[str]:
     return pathlib.Path(path).read_text().splitlines() if os.path.exists(path) else []
-
-
-def _gather(value):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def test_body_runs_once_and_every_rank_waits_for_it(tmp_path):
@@ -86,7 +81,7 @@ def test_body_runs_once_and_every_rank_waits_for_it(tmp_path):
         keys_after = store.num_keys()
         t = torch.tensor([1.0])
         dist.all_reduce(t)  # collectives are back after the blocks
-        return _gather(
+        return gather(
             {
                 "rank": rank,
                 "seen": seen,
@@ -129,7 +124,7 @@ def test_three_ranks_share_each_outcome_and_clean_up(tmp_path):
         except Exception as exc:
             failure = type(exc).__name__
         dist.barrier()  # both readers have read every outcome; the last one deleted it
-        return _gather((failure, store.num_keys() - keys_before))
+        return gather((failure, store.num_keys() - keys_before))
 
     assert train() == [("CustomError", 0), ("Rank0Error", 0), ("Rank0Error", 0)]
     assert _lines(log) == [f"block {i}" for i in range(50)]

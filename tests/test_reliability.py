@@ -15,6 +15,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import gone
 
 import autoddp
 from autoddp import ConfigurationError, WorkerError
@@ -66,20 +67,6 @@ def _worker_pids(folder, count=2, timeout=60):
     raise AssertionError("workers did not start")
 
 
-def _gone(pids, timeout=10):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = [
-            p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-        ]
-        if not alive:
-            return True
-        time.sleep(0.1)
-    for pid in alive:
-        os.kill(pid, signal.SIGKILL)
-    return False
-
-
 @pytest.mark.parametrize(
     "how, sig, code",
     [
@@ -102,7 +89,7 @@ def test_signal_to_the_launcher_stops_every_worker_with_one_line(tmp_path, how, 
     _, err = proc.communicate(timeout=30)
     assert time.monotonic() - started < 10
     assert proc.returncode in (code, -sig), err  # 128+N, or killed by N: what a shell shows as 128+N
-    assert _gone(pids)
+    assert gone(pids, kill=True)
     assert f"autoddp: {sig.name} received: stopped all" in err
     assert "[rank" not in err  # no traceback from the workers
     if how == "cli":
@@ -120,7 +107,7 @@ def test_workers_die_with_a_killed_launcher(tmp_path, how):
     pids = _worker_pids(tmp_path)
     proc.kill()
     proc.communicate(timeout=30)
-    assert _gone(pids), "workers outlived their launcher"
+    assert gone(pids, kill=True), "workers outlived their launcher"
 
 
 def test_segfault_is_a_worker_error():

@@ -8,6 +8,7 @@ one process's batch), ``len(loader)`` and the final weights.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -450,3 +451,44 @@ def test_a_class_weighted_mean_loss_is_a_warning_at_its_backward(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stderr.count("and this one is a weighted mean") == 1  # once, at the first backward
     assert "weighted.py:12" in result.stderr and "loss.backward()" in result.stderr  # the user's line
+
+
+@dataclasses.dataclass
+class _Output:
+    logits: torch.Tensor
+
+
+class _ReturnsADataclass(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    def forward(self, x):
+        return _Output(self.net(x))  # (as Hugging Face models return their outputs)
+
+
+def _train_returning_a_dataclass(out):
+    torch.manual_seed(0)
+    model = _ReturnsADataclass()
+    loader = DataLoader(Data(43), batch_size=8, shuffle=True)  # the last batch, 3, splits unevenly
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(2):
+        for x, y, _i in loader:
+            loss = nn.functional.cross_entropy(model(x).logits, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    state = {k: v.tolist() for k, v in autoddp.unwrap(model).state_dict().items()}
+    with open(os.path.join(out, f"rank{autoddp.rank()}.json"), "w") as f:
+        json.dump([state], f)
+
+
+def test_a_model_returning_a_dataclass_splits_like_one_with_a_tensor(tmp_path):
+    """Uneven parts weigh the tensors inside a model's output whatever holds them (a dataclass)."""
+    (tmp_path / "one").mkdir()
+    (tmp_path / "many").mkdir()
+    _train_returning_a_dataclass(str(tmp_path / "one"))
+    autoddp.distributed(nproc=2, split_batches=True)(_train_returning_a_dataclass)(str(tmp_path / "many"))
+    one = _read(tmp_path / "one", 1)[0][-1]
+    for rank in _read(tmp_path / "many", 2):
+        assert (_flat(rank[-1]) - _flat(one)).abs().max().item() < 1e-5

@@ -46,27 +46,36 @@ def _imports(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
     return {name for name in targets if name in modules}
 
 
-def test_the_import_graph_has_no_cycle():
-    modules = _modules()
-    graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
+def _a_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """A cycle of ``graph`` (its nodes in order, the first again at the end), or [] for none."""
     state: dict[str, str] = {}
     stack: list[str] = []
 
-    def visit(name: str) -> None:
+    def visit(name: str) -> list[str]:
         state[name] = "open"
         stack.append(name)
-        for target in sorted(graph[name]):
+        for target in sorted(graph.get(name, ())):
             if state.get(target) == "open":
-                cycle = [*stack[stack.index(target) :], target]
-                raise AssertionError("import cycle: " + " -> ".join(cycle))
-            if target not in state:
-                visit(target)
+                return [*stack[stack.index(target) :], target]
+            found = visit(target) if target not in state else []
+            if found:
+                return found
         stack.pop()
         state[name] = "done"
+        return []
 
     for name in sorted(graph):
-        if name not in state:
-            visit(name)
+        found = visit(name) if name not in state else []
+        if found:
+            return found
+    return []
+
+
+def test_the_import_graph_has_no_cycle():
+    modules = _modules()
+    graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
+    cycle = _a_cycle(graph)
+    assert cycle == [], "import cycle: " + " -> ".join(cycle)
     assert "autoddp" not in set().union(*(graph[n] for n in graph if n != "autoddp")), (
         "a submodule imports the package itself"
     )
@@ -143,26 +152,10 @@ def test_folders_are_layers_too_no_two_import_each_other():
             if a != b:
                 graph.setdefault(a, set()).add(b)
                 why.setdefault((a, b), f"{name} imports {target}")
-    state: dict[str, str] = {}
-    stack: list[str] = []
-
-    def visit(folder: str) -> None:
-        state[folder] = "open"
-        stack.append(folder)
-        for target in sorted(graph.get(folder, ())):
-            if state.get(target) == "open":
-                cycle = [*stack[stack.index(target) :], target]
-                raise AssertionError(
-                    "folders import each other: " + "; ".join(why[a, b] for a, b in itertools.pairwise(cycle))
-                )
-            if target not in state:
-                visit(target)
-        stack.pop()
-        state[folder] = "done"
-
-    for folder in sorted(graph):
-        if folder not in state:
-            visit(folder)
+    cycle = _a_cycle(graph)
+    assert cycle == [], "folders import each other: " + "; ".join(
+        why[a, b] for a, b in itertools.pairwise(cycle)
+    )
     assert {"world/", "worker/", "capture/", "hang/", "launch/"} <= set(graph)
 
 

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import free_port
 
 from autoddp import _compat
 from autoddp.cli import main
@@ -38,12 +39,6 @@ import json, os, sys, torch
 sys.stdout.write("ENV " + json.dumps({"env": dict(os.environ), "threads": torch.get_num_threads(),
                                       "argv": sys.orig_argv}) + "\\n")
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _seen(done: subprocess.CompletedProcess) -> dict[int, dict]:
@@ -87,7 +82,7 @@ def test_workers_get_every_variable_torchrun_gives_with_its_values(tmp_path, mon
     flags = ["--role", "trainer", "--max-restarts", "1"]
     one = ["-m", "torch.distributed.run", "--nproc-per-node", "2", *flags, script]
     ours = ["-m", "autoddp.cli", "-n", "2", "--ranks", "all", *flags, script]
-    port_a, port_b = _free_port(), _free_port()
+    port_a, port_b = free_port(), free_port()
 
     def node(port: int) -> list[str]:
         return ["--master-port", str(port), "--nproc-per-node", "1", script]
@@ -122,7 +117,7 @@ def test_workers_get_every_variable_torchrun_gives_with_its_values(tmp_path, mon
 
 def test_master_port_start_method_and_the_lines_that_stop_a_run(tmp_path):
     script = str(write(tmp_path / "env.py", SCRIPT))
-    port = _free_port()
+    port = free_port()
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
     holder.listen()
@@ -189,7 +184,7 @@ def test_every_torchrun_flag_is_taken_or_refused_in_one_line():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the one-process line is about a machine without GPUs")
 def test_one_process_is_said_unless_quiet_and_rdzv_conf_reaches_the_rendezvous(tmp_path):
     script = str(write(tmp_path / "env.py", SCRIPT))
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     alone = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "-n", "1"]
     started = time.monotonic()
     plain, quiet, misplaced, waited = _together(
@@ -226,7 +221,7 @@ def test_pet_variables_nproc_keywords_and_rdzv_endpoint_as_torchrun(tmp_path, mo
     from autoddp.environment import hardware
 
     script = str(write(tmp_path / "env.py", SCRIPT))
-    port = _free_port()
+    port = free_port()
     monkeypatch.setenv("PET_NPROC_PER_NODE", "2")  # Kubeflow's PyTorchJob runs a bare `torchrun train.py`
     pet, endpoint = _together(
         ["-m", "autoddp.cli", "--ranks", "all", script],
