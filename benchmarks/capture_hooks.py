@@ -42,11 +42,11 @@ def hooks(repeat: int) -> dict[str, float]:
     def plain(*args, **kwargs):
         return None
 
-    wrapped = session._backward(plain)
+    wrapped = session.steps._backward(plain)
     number = 200_000
     base = _best_ns(lambda: plain(1), number, repeat)
     return {
-        "step_pre_hook_ns": round(_best_ns(lambda: session._before_step(None, (), {}), number, repeat)),
+        "step_pre_hook_ns": round(_best_ns(lambda: session.steps._before_step(None, (), {}), number, repeat)),
         "backward_wrapper_ns": round(_best_ns(lambda: wrapped(1), number, repeat) - base),
     }
 

@@ -5,6 +5,7 @@ the parameters it is given are traced to the modules that own them and up to the
 (``Registry``, else the user's frames); each root not yet distributed is wrapped as
 ``autoddp.prepare`` wraps it, but where it is (nothing is moved), before the optimizer stores the
 parameters. A strategy that replaces parameters (sharding) gets the optimizer bound to the new ones.
+``Optimizers`` owns the two hooks (``__init__``, and ``add_param_group`` for a head added later).
 """
 
 from __future__ import annotations
@@ -15,10 +16,95 @@ from typing import Any
 
 import torch
 
-from autoddp.capture._registry import Registry, frame_candidates
+from autoddp import _patches, _warn, models
+from autoddp.capture._notice import where
+from autoddp.capture._registry import DEPTH, Registry, frame_candidates, user_site
 
 #: Containers that cannot be called: a model held in one is the model, not the container.
 _UNCALLABLE = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.ParameterList, torch.nn.ParameterDict)
+
+
+class Optimizers:
+    """The optimizer hooks of one capture session: the models an optimizer is made over are distributed."""
+
+    def __init__(self, session: Any) -> None:
+        """``session``: the capture ``Session`` (its registry, options, notice and world)."""
+        self.session = session
+        self.made = 0  # optimizers made by the user's code, in this session
+        self._constructing: set[int] = set()  # optimizers in __init__ (its add_param_group calls)
+        self._patches = _patches.Patches()
+
+    def install(self) -> None:
+        patches = [
+            (torch.optim.Optimizer, "__init__", self._optimizer_init),
+            (torch.optim.Optimizer, "add_param_group", self._add_param_group),
+        ]
+        self._patches.install(_patches.wrapping(owner, name, make) for owner, name, make in patches)
+
+    def uninstall(self) -> None:
+        self._patches.restore()
+
+    def _optimizer_init(self, original: Any) -> Any:
+        def __init__(optimizer: Any, params: Any, *args: Any, **kwargs: Any) -> None:
+            if self.session.busy:
+                original(optimizer, params, *args, **kwargs)
+                return
+            self.made += 1
+            params = self._distribute_models(params)
+            self._constructing.add(id(optimizer))  # its own add_param_group calls: done above
+            try:
+                original(optimizer, params, *args, **kwargs)
+            finally:
+                self._constructing.discard(id(optimizer))
+            models.bind_optimizer(optimizer)  # over sharded parameters: full state loads into shards
+            models.guard_optimizer(optimizer)  # steps DDP did not see still get averaged gradients
+
+        return __init__
+
+    def _add_param_group(self, original: Any) -> Any:
+        def add_param_group(optimizer: Any, param_group: Any) -> None:
+            busy = self.session.busy
+            if busy or id(optimizer) in self._constructing or not isinstance(param_group, dict):
+                original(optimizer, param_group)
+                return
+            original(optimizer, self._distribute_models([param_group])[0])  # a head added later
+            models.bind_optimizer(optimizer)
+            models.guard_optimizer(optimizer)
+
+        return add_param_group
+
+    def _distribute_models(self, params: Any) -> Any:
+        session = self.session
+        items = materialize(params)
+        found, orphans = roots(tensors_of(items), session.registry)
+        todo = [root for root in found if not models.distributed(root)]
+        if orphans:
+            shapes = ", ".join(str(tuple(p.shape)) for p in orphans[:5])
+            _warn.warn(
+                f"{len(orphans)} of this optimizer's parameters (shapes {shapes}) belong to no "
+                "nn.Module autoddp can find, so it cannot average their gradients across processes: "
+                "either they are attributes of no module, or their module was built before the call "
+                "and your code reaches it only in ways autoddp does not follow (a closure, more than "
+                f"{DEPTH} attributes or container items deep). Pass the module to autoddp.prepare(model) "
+                "before making the optimizer, or make loose tensors attributes of a module "
+                "(self.w = nn.Parameter(...))"
+            )
+        if not todo:
+            return items
+        site = user_site(sys._getframe(1))
+        with session.own_work():
+            world = session.world()
+            mapping = replaced_parameters(todo, lambda m: models.wrap(m, world, session.options, move=False))
+        assert session.notice is not None
+        for root in todo:
+            name = type(models.unwrap(root)).__name__
+            session.notice.say(
+                ("model", id(root)),
+                f"{name} ({where(session.registry.site(root))}): {session.options.strategy.upper()} across "
+                f"{world.world_size} processes, found through the optimizer at {where(site)}"
+                f"{models.split_note(root)}",
+            )
+        return rebind(items, mapping)
 
 
 def materialize(params: Any) -> list[Any]:

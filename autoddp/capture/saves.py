@@ -19,6 +19,8 @@ pointing at its target) and renames only once every other rank has reached the m
 (after its ``open``, for a file object every rank opened), gone past that point, or waits for
 rank 0 further on (``rank_zero.block.waits_ahead``): no rank reads a newer file before its own
 save of it nor truncates the new one, and ``if rank == 0: torch.save(...)`` never deadlocks.
+``Saves`` owns the ``torch.save`` hook (a path, or a file object just opened on one) and, from
+the session's join on, the protocol.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from autoddp import _compat, models
+from autoddp import _compat, _patches, models
 from autoddp.checkpoint.files import atomic_write
 from autoddp.errors import Rank0Error
 from autoddp.hang import record
@@ -81,12 +84,50 @@ class Progress:
 
 
 class Saves:
-    """One process's ``torch.save`` calls in a run: counting them per file and the store protocol."""
+    """One process's ``torch.save`` calls in a capture session: the hook, counting them per file and
+    the store protocol."""
 
-    def __init__(self, rank: int, world_size: int) -> None:
-        self.rank, self.world_size = rank, world_size
+    def __init__(self, session: Any) -> None:
+        """``session``: the capture ``Session`` (its notice and world: ``join`` once it is joined)."""
+        self.session = session
+        self.rank, self.world_size = 0, 0
         self.counts: dict[str, int] = {}  # per file: rank 0's saves made, another's next to match
-        self.progress = Progress(_compat.default_store(), rank)  # from the join on: others may wait
+        self.progress: Progress | None = None
+        self._patches = _patches.Patches()
+
+    def install(self) -> None:
+        patches = [(owner, "save", self._save) for owner in (torch, torch.serialization)]
+        self._patches.install(_patches.wrapping(owner, name, make) for owner, name, make in patches)
+
+    def uninstall(self) -> None:
+        self._patches.restore()
+
+    @property
+    def joined(self) -> bool:
+        """Whether the session has joined its world (the protocol runs from then on)."""
+        return self.progress is not None
+
+    def join(self, rank: int, world_size: int) -> None:
+        """The session joined the world as ``rank`` of ``world_size``: other ranks may wait from now."""
+        self.rank, self.world_size = rank, world_size
+        self.progress = Progress(_compat.default_store(), rank)
+
+    def _save(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        session = self.session
+
+        def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+            path = f if isinstance(f, (str, os.PathLike)) else opened_path(f)  # open(path, "wb") too
+            if session.busy or path is None:
+                return original(obj, f, *args, **kwargs)
+            with session.own_work():
+                session.world()
+                obj = models.full_tensors(obj)  # sharded (FSDP) state: gathered whole
+                what = self.save(original, obj, path, args, kwargs, opened=None if path is f else f)
+            path = os.fspath(path)
+            session.notice.say(("save", os.path.abspath(path)), f"torch.save({path!r}): {what}")
+            return None
+
+        return save
 
     def save(
         self,
@@ -128,6 +169,7 @@ class Saves:
         """This rank's user code has ended: no rank waits for a save of it any more. Said through
         the store kept since the join: a rank waiting for this one learns it even where the user's
         code destroyed the group."""
+        assert self.progress is not None
         self.progress.stop()
         try:
             self.progress.store.set(f"{_FINISHED}/{self.rank}", "1")
@@ -230,24 +272,6 @@ def _read_outcome(value: bytes, where: str) -> tuple[int, BaseException | None]:
 def _described(error: BaseException) -> Rank0Error:
     kind = type(error).__qualname__
     return Rank0Error(f"torch.save failed on rank 0 with {kind}: {error}", type_name=kind, detail=str(error))
-
-
-def saving(session: Any, original: Callable[..., Any]) -> Callable[..., Any]:
-    """The ``torch.save`` capture's ``session`` installs over ``original``."""
-
-    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
-        path = f if isinstance(f, (str, os.PathLike)) else opened_path(f)  # open(path, "wb") too
-        if session.busy or path is None:
-            return original(obj, f, *args, **kwargs)
-        with session._own_work():
-            session.world()
-            obj = models.full_tensors(obj)  # sharded (FSDP) state: gathered whole
-            what = session.saves.save(original, obj, path, args, kwargs, opened=None if path is f else f)
-        path = os.fspath(path)
-        session.notice.say(("save", os.path.abspath(path)), f"torch.save({path!r}): {what}")
-        return None
-
-    return save
 
 
 def opened_path(file: Any) -> str | None:

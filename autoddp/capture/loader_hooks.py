@@ -1,4 +1,5 @@
-"""Loaders sharded when iterated: a random loader gets its share per rank, an ordered one stays whole.
+"""Capture's DataLoader hooks: a random loader gets its share per rank when iterated, an ordered one
+stays whole (``Loaders``; ``autoddp.data.loaders`` is the sharding they, and ``prepare``, use).
 
 A DataLoader whose order is random (``shuffle=True``, any sampler but the sequential one, a custom
 batch sampler) is sharded on its first iteration exactly as ``autoddp.prepare`` shards it. A
@@ -13,12 +14,21 @@ wrapper, and keeps its wrapper.
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
 
-from autoddp import _compat
-from autoddp.data.loaders import distributed_sampler, wrapped_batches
-from autoddp.state import World
+from autoddp import _compat, _patches
+from autoddp.capture._notice import where
+from autoddp.capture._registry import user_site
+from autoddp.data import split
+from autoddp.data.loaders import distributed_sampler, shard_loader, user_seed, wrapped_batches
+from autoddp.state import CURRENT, World
+
+#: Where the user's code made a DataLoader (kept in its ``__dict__``, for the notice).
+_SITE = "_autoddp_site"
 
 
 def kind(loader: DataLoader) -> str:
@@ -169,3 +179,137 @@ class Shares:
         """``len(loader)`` with the order ``which`` in place (without putting it there)."""
         sampler, batch_sampler = self.whole if which == "whole" else self.shard
         return len(batch_sampler if batch_sampler is not None else sampler)
+
+
+class Loaders:
+    """The DataLoader hooks of one capture session: where each loader was made, its passes, its shard."""
+
+    def __init__(self, session: Any) -> None:
+        """``session``: the capture ``Session`` (its options, notice, passes and world)."""
+        self.session = session
+        self._made = 0  # random loaders sharded so far: the n-th gets its own seed
+        self._patches = _patches.Patches()
+
+    def install(self) -> None:
+        patches = [
+            (DataLoader, "__init__", self._loader_init),
+            (DataLoader, "__iter__", self._loader_iter),
+            (DataLoader, "__len__", self._loader_len),
+        ]
+        self._patches.install(_patches.wrapping(owner, name, make) for owner, name, make in patches)
+
+    def uninstall(self) -> None:
+        self._patches.restore()
+
+    def _loader_init(self, original: Any) -> Any:
+        def __init__(loader: DataLoader, *args: Any, **kwargs: Any) -> None:
+            if not self.session.busy:  # the notice names the line that made it, not where it is iterated
+                loader.__dict__.setdefault(_SITE, user_site(sys._getframe(1), made=loader))
+            original(loader, *args, **kwargs)
+
+        return __init__
+
+    def _loader_iter(self, original: Any) -> Any:
+        def __iter__(loader: DataLoader) -> Any:
+            session = self.session
+            if session.busy:
+                return original(loader)
+            fresh = not split.is_split(loader)
+            site = loader.__dict__.get(_SITE) or user_site(sys._getframe(1))
+            whole_while_training = self._begin_pass(loader, site)
+            iterator = session.passes.watch(loader, original)
+            if fresh and split.is_split(loader):  # split just now: its first pass weighed too
+                iterator = split.weighed(loader, iterator)
+            # a whole pass while gradients are on may be training: an optimizer step in it is said
+            session.undistributed.begin_pass(site if whole_while_training else None, iterator)
+            return iterator
+
+        return __iter__
+
+    def _loader_len(self, original: Any) -> Any:
+        def __len__(loader: DataLoader) -> int:
+            # Before the first pass (a scheduler's steps per epoch) as a pass beginning now would be;
+            # after one, the length of the order in place (``total / len(loader)`` after the loop).
+            if self.session.busy:
+                return original(loader)
+            kind = pass_kind(CURRENT.wrapped_models())
+            if not loader.__dict__.get("_autoddp_seen"):
+                loader.__dict__["_autoddp_seen"] = True
+                self._shard(loader, loader.__dict__.get(_SITE) or user_site(sys._getframe(1)), kind)
+            shares = loader.__dict__.get(Shares.KEY)
+            which = shares.counted(kind) if shares is not None else None
+            if shares is None or shares.in_use == which:
+                return original(loader)
+            return shares.length(which)
+
+        return __len__
+
+    def _begin_pass(self, loader: DataLoader, site: tuple[str, int]) -> bool:
+        """Before a pass: shard a random loader the first time; give the pass the order it needs.
+
+        True when the pass gets all of a random loader while gradients are on.
+        """
+        kind = pass_kind(CURRENT.wrapped_models())
+        if not loader.__dict__.get("_autoddp_seen"):
+            loader.__dict__["_autoddp_seen"] = True
+            self._shard(loader, site, kind)
+        shares = loader.__dict__.get(Shares.KEY)
+        if shares is None:
+            return False
+        shares.begin_pass(loader, kind)
+        if shares.in_use == "shard":
+            self.session.undistributed.data_shared = True
+        return shares.in_use == "whole" and torch.is_grad_enabled()
+
+    def _shard(self, loader: DataLoader, site: tuple[str, int], first_pass: str = TRAINING) -> None:
+        session = self.session
+        found = kind(loader)
+        if found in ("distributed", "iterable"):
+            session.undistributed.data_shared = True  # given out by rank already, or by the dataset
+        if found == "distributed":  # prepared, or the user's own DistributedSampler: as it is
+            with session.own_work():
+                foreign = foreign_shares(loader, session.world())
+            if foreign is not None and session.notice is not None:
+                session.notice.say(("loader", id(loader)), f"DataLoader ({where(site)}): {foreign}")
+            return
+        if found != "random":
+            if found == "ordered":
+                session.undistributed.ordered.append(site)
+            if session.notice is not None:
+                line = f"DataLoader ({where(site)}): left whole: {REASONS[found]}"
+                session.notice.say(("loader", id(loader)), line, captured=False)
+            return
+        with session.own_work():
+            world = session.world()
+            if not self._shard_random(loader, site, world):
+                return
+        each = share(loader, world.world_size)
+        if first_pass != TRAINING:
+            line = (
+                f"DataLoader ({where(site)}): shuffled, first iterated outside training (no gradients, "
+                f"no model trained yet, or every model in eval()): left whole there, every rank sees "
+                f"all of it; a pass while training is sharded, {each}"
+            )
+        else:
+            line = f"DataLoader ({where(site)}): sharded, {each}; left whole in evaluation passes"
+        session.notice.say(("loader", id(loader)), line)
+
+    def _shard_random(self, loader: DataLoader, site: tuple[str, int], world: World) -> bool:
+        """Shard a random ``loader`` (False: left whole, and said so)."""
+        notice = self.session.notice
+        assert notice is not None
+        if _compat.loader_iterator(loader) is not None:
+            reason = "already iterated with persistent workers before autoddp saw it"
+            line = f"DataLoader ({where(site)}): left whole: {reason}"
+            notice.say(("loader", id(loader)), line, captured=False)
+            return False
+        whole = (loader.sampler, loader.batch_sampler)
+        if self.session.options.split_batches:  # one process's batches, in parts: no seed of autoddp's
+            shard_loader(loader, world, split=True)
+        else:
+            number, self._made = self._made, self._made + 1  # the n-th: its own seed
+            seed = shared_seed(user_seed(loader, number=number), world.rank, number)
+            shard_loader(loader, world, seed=seed, split=False)
+        shard = (loader.sampler, loader.batch_sampler)
+        loader.__dict__[Shares.KEY] = Shares(whole, shard)
+        return True

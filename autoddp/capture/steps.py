@@ -1,0 +1,94 @@
+"""Capture's training-step hooks: ``backward``, ``grad``, every optimizer step and DDP's ``__init__``.
+
+The first ``backward()`` checks the loss and, with no optimizer made yet, which models it trains
+by hand; each ``backward()`` and ``grad()`` is counted (``models.counted``); a step says what could
+not be distributed (``_undistributed``); a user's own ``DistributedDataParallel`` takes over from
+autoddp's, so that a model is never wrapped twice.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from autoddp import _patches, models
+from autoddp.capture._registry import user_site
+from autoddp.capture._undistributed import caller_site, candidate_roots, grad_versions
+from autoddp.state import CURRENT
+
+
+class Steps:
+    """The training-step hooks of one capture session (its patches and its global step hook)."""
+
+    def __init__(self, session: Any) -> None:
+        """``session``: the capture ``Session`` (its options, registry, notice and optimizers)."""
+        self.session = session
+        self._patches = _patches.Patches()
+        self._handles: list[Any] = []
+
+    def install(self) -> None:
+        patches = [
+            (torch.nn.parallel.DistributedDataParallel, "__init__", self._ddp_init),
+            (torch.autograd, "backward", lambda original: self._backward(models.counted(original))),
+            (torch.autograd, "grad", lambda original: models.counted(original, accumulates=False)),
+        ]
+        self._patches.install(_patches.wrapping(owner, name, make) for owner, name, make in patches)
+
+    def install_step_hook(self) -> None:
+        """Every optimizer step, from here on (a global hook: installed after every patch)."""
+        self._handles.append(register_optimizer_step_pre_hook(self._before_step))
+
+    def uninstall(self) -> None:
+        self._patches.restore()
+
+    def remove_step_hook(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _backward(self, original: Any) -> Any:
+        session = self.session
+
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            if session.busy:
+                return original(*args, **kwargs)
+            if session.undistributed.backward_checked:
+                result = original(*args, **kwargs)
+            else:
+                result = self._first_backward(original, sys._getframe(1), args, kwargs)
+            if session.options.split_batches:  # loss.item() then prints the global batch's loss
+                models.show_split_loss_whole(args[0] if args else kwargs.get("tensors"))
+            return result
+
+        return backward
+
+    def _first_backward(self, original: Any, frame: Any, args: Any, kwargs: Any) -> Any:
+        """With no optimizer made yet, which models does the first backward train by hand?"""
+        session = self.session
+        session.undistributed.backward_checked = True
+        models.check_loss(args[0] if args else kwargs.get("tensors"), session.options.split_batches)
+        if session.optimizers.made:
+            return original(*args, **kwargs)
+        roots = candidate_roots(session.registry, frame, CURRENT.wrapped_models())
+        before, result = grad_versions(roots), original(*args, **kwargs)
+        wrapped = bool(CURRENT.wrapped_models())
+        session.undistributed.after_first_backward(session.notice, roots, before, user_site(frame), wrapped)
+        return result
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        session = self.session
+        if not session.busy and session.undistributed.at_step:
+            session.undistributed.before_step(session.notice, caller_site())
+
+    def _ddp_init(self, original: Any) -> Any:
+        def __init__(ddp: Any, module: Any, *args: Any, **kwargs: Any) -> None:
+            if not self.session.busy:
+                inner = models.unwrap(module)
+                if models.ddp_in_charge(inner):
+                    models.release(inner)  # the user's own DDP takes over: never two
+            original(ddp, module, *args, **kwargs)
+
+        return __init__
