@@ -86,3 +86,18 @@ def open_mpi_rank(
         "OMPI_MCA_ess_base_vpid": str(rank),
         **extra,
     }
+
+
+def fork_or_skip() -> None:
+    """Skip a test that needs workers forked from this process where autoddp (rightly) refuses
+    fork here: torch's CUDA builds, after an earlier test's torch.compile and backward in this
+    process started autograd's device threads. The reason is autoddp's own."""
+    import pytest
+
+    from autoddp.errors import ConfigurationError
+    from autoddp.launch.start_method import choose_start_method
+
+    try:
+        choose_start_method("fork")
+    except ConfigurationError as refused:
+        pytest.skip(str(refused))

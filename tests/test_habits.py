@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import fork_or_skip
 from torch import nn
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
@@ -158,6 +159,7 @@ def _seed_caller(seed: int) -> None:
 
 
 def test_random_streams_differ_by_rank_repeat_and_agree_across_start_methods():
+    fork_or_skip()  # (a CUDA build after an in-process compile: autoddp refuses fork, said)
     _seed_caller(1)
     forked = _draw_forked()
     after_call = torch.rand(1)

@@ -14,7 +14,7 @@ import os
 
 import pytest
 import torch
-from helpers import free_port
+from helpers import fork_or_skip, free_port
 from patch_inspection import inspected, reports
 
 import autoddp
@@ -204,6 +204,7 @@ def _forked_training(folder: str):
 
 @pytest.mark.timeout(120)
 def test_after_every_kind_of_run_every_patched_attribute_is_the_original(tmp_path):
+    fork_or_skip()  # (a CUDA build after an in-process compile: autoddp refuses fork, said)
     # Two processes forked from this one make a torchrun-style world of in-place calls, while
     # a decorated call beside them forks its own two workers.
     in_place = [
