@@ -17,6 +17,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +31,10 @@ _MARKER_BYTES = 4096
 _reaped: set[str] = set()
 
 
+#: Passes over a private folder at its end before it is left (each after a short pause).
+_REMOVALS = 20
+
+
 @contextlib.contextmanager
 def private_folder(prefix: str, base: str | None = None) -> Iterator[str]:
     """A new folder (mode 0700) in ``base`` (None: the temporary directory), removed afterwards."""
@@ -37,7 +42,18 @@ def private_folder(prefix: str, base: str | None = None) -> Iterator[str]:
     try:
         yield path
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        _remove_all(path)
+
+
+def _remove_all(path: str) -> None:
+    """Remove ``path`` and everything in it, its marker last, also what a process that is ending
+    writes into it meanwhile; what is still left after that is reaped by a later start."""
+    for _ in range(_REMOVALS):
+        with contextlib.suppress(OSError):
+            _remove(path)
+        if not os.path.lexists(path):
+            return
+        time.sleep(0.05)
 
 
 def make(prefix: str, base: str | None = None) -> str:
@@ -130,7 +146,8 @@ def _remove(path: str) -> None:
                 shutil.rmtree(entry.path)
             else:
                 os.unlink(entry.path)
-    os.unlink(os.path.join(path, MARKER))
+    with contextlib.suppress(FileNotFoundError):  # (a folder that never got its marker)
+        os.unlink(os.path.join(path, MARKER))
     os.rmdir(path)
 
 

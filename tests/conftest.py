@@ -38,11 +38,11 @@ def no_leftover_processes():
     assert not alive, f"processes left behind: {[(p.pid, p.cmdline()) for p in alive]}"
 
 
-#: Variables that launchers (torchrun, srun, mpirun, autoddp) set; tests start without them.
-# gloo's words for a collective that ran out of time: the wait that ran out, or another wait of
-# that rank on the pair the timeout closed (either may reach the user first)
+#: gloo's words for a collective that ran out of time: the wait that ran out, or another wait of
+#: that rank on the pair the timeout closed (either may reach the user first).
 GLOO_TIMEOUT = re.compile(r"Timed out waiting \d+ms|Application timeout caused pair closure")
 
+#: Variables that launchers (torchrun, srun, mpirun, autoddp) set; tests start without them.
 LAUNCHER_PREFIXES = (
     "SLURM_",
     "SLURMD_",
