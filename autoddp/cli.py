@@ -77,7 +77,7 @@ def _flags(command: Callable[..., Any]) -> Callable[..., Any]:
     return command
 
 
-@click.command(cls=arguments.OneLineCommand, context_settings=_CONTEXT)
+@click.command("autoddp", cls=arguments.OneLineCommand, context_settings=_CONTEXT)
 @_flags
 @click.argument("script", required=False, metavar="SCRIPT")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="[ARGS]...")
@@ -105,8 +105,9 @@ def main(script: str | None, script_args: tuple[str, ...], **flags: Any) -> None
     process's traceback. torchrun's flags work as in torchrun, or stop with one line saying
     what autoddp does instead.
 
-    `autoddp env` prints a report to paste into a bug report: versions, GPUs, the detected
-    launcher and why, and what the decorator and this command would do here.
+    `autoddp env [-n N] [--master HOST:PORT]` prints a report to paste into a bug report:
+    versions, GPUs, the detected launcher and why, and what the decorator and this command
+    would do here (`autoddp env --help`).
     """
     master, master_addr, master_port = flags["master"], flags["master_addr"], flags["master_port"]
     given = (  # one machine: its store's place, and the option that named it
@@ -119,14 +120,13 @@ def main(script: str | None, script_args: tuple[str, ...], **flags: Any) -> None
         master = f"{master_addr}:{master_port or 29500}"
     nproc, endpoint = flags["nproc"], flags["rdzv_endpoint"]
     if script == "env" and not flags["as_module"] and not os.path.exists("env"):
-        from autoddp.command import report
+        from autoddp.command.env import env
 
-        try:
-            asked = arguments.process_count(nproc) if nproc else None
-            click.echo(report.for_command(master or endpoint, script_args, asked))
-        except ConfigurationError as error:
-            fail(str(error))
-        return
+        before = [
+            *(["-n", nproc] if nproc else []),
+            *(["--master", master or endpoint] if master or endpoint else []),
+        ]
+        env.main([*before, *script_args], prog_name="autoddp env")  # (exits)
     arguments.refuse_environment(os.environ)
     arguments.choice("--rdzv-backend", flags["rdzv_backend"], launch_plan.RDZV_BACKENDS)
     arguments.choice("--start-method", flags["start_method"], ("auto", "fork", "spawn"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _posixsubprocess
 import contextlib
 import os
 import re
@@ -36,6 +37,42 @@ def no_leftover_processes():
     for p in alive:
         p.kill()
     assert not alive, f"processes left behind: {[(p.pid, p.cmdline()) for p in alive]}"
+
+
+#: The processes this pytest process started (forks; spawns and subprocesses while a ``unit`` test
+#: runs): a test marked ``unit`` must start none, so that ``pytest -m unit`` runs in seconds.
+_STARTS = [0]
+
+
+def _count_start(*_: object) -> None:
+    _STARTS[0] += 1
+
+
+_START_EVENTS = frozenset({"subprocess.Popen", "os.posix_spawn", "os.spawn", "os.system"})
+os.register_at_fork(before=_count_start)
+sys.addaudithook(lambda event, _: _count_start() if event in _START_EVENTS else None)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request, monkeypatch):
+    """Fail a test marked ``unit`` that starts a process (multiprocessing's spawn starts its own
+    through ``_posixsubprocess.fork_exec``, which raises no audit event)."""
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+    fork_exec = _posixsubprocess.fork_exec
+
+    def counted(*args, **kwargs):
+        _count_start()
+        return fork_exec(*args, **kwargs)
+
+    monkeypatch.setattr(_posixsubprocess, "fork_exec", counted)
+    before = _STARTS[0]
+    yield
+    assert _STARTS[0] == before, (
+        "this test is marked unit but started a process: take its @pytest.mark.unit off "
+        "(pytest -m unit runs the tests that start none, in seconds)"
+    )
 
 
 #: gloo's words for a collective that ran out of time: the wait that ran out, or another wait of
@@ -85,13 +122,14 @@ def run_python(
     )
     try:
         out, err = proc.communicate(input=stdin, timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as expired:
         family = psutil.Process(proc.pid).children(recursive=True)
         proc.kill()
         for child in family:
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()
-        proc.communicate()
+        out, err = proc.communicate()
+        expired.add_note(f"what it printed before it was killed:\n{out[-2000:]}\n{err[-6000:]}")
         raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
@@ -125,6 +163,7 @@ SMOKE_FILES = frozenset(
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (it names each item by its group)
 def pytest_collection_modifyitems(items):
     for item in items:
         for prefix, group in SERIAL_GROUPS.items():
@@ -132,6 +171,26 @@ def pytest_collection_modifyitems(items):
                 item.add_marker(pytest.mark.xdist_group(group))
         if item.path.name in SMOKE_FILES:
             item.add_marker(pytest.mark.smoke)
+
+
+def pytest_collection_finish(session):
+    """Under ``--dist loadgroup`` every grouped test must carry its group in its node id (that is
+    how pytest-xdist sends a group to one worker): where a pytest/xdist pair drops it, the cluster
+    tests would run at once on two workers and fail by each other's faults, so stop here instead."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not getattr(session.config.option, "loadgroup", False):
+        return
+    lost = [
+        item.nodeid
+        for item in session.items
+        if item.get_closest_marker("xdist_group") and "@" not in item.nodeid
+    ]
+    if lost:
+        why = (
+            f"pytest {pytest.__version__} with this pytest-xdist ignores xdist_group ({lost[0]} has no "
+            "group in its id): install the test extras' pytest (pip install 'pytest<9.2')"
+        )
+        print(why, file=sys.stderr)  # a worker's UsageError reaches the screen only as an INTERNALERROR
+        raise pytest.UsageError(why)
 
 
 def _fsdp_missing() -> str | None:

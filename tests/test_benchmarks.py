@@ -41,6 +41,7 @@ def load(name: str) -> ModuleType:
 # --- gpu_check.py -------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_gpu_check_skips_cleanly_without_cuda(monkeypatch, capsys):
     gpu_check = load("gpu_check")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
@@ -98,6 +99,7 @@ def test_selftest_prints_table_then_json_with_every_key(capsys):
     assert any("import autoddp, after torch" in line for line in lines[:-1])
 
 
+@pytest.mark.unit
 def test_summary_of_launch_and_step_figures():
     run = load("run")
     launch = {
@@ -152,6 +154,7 @@ def test_a_command_past_its_timeout_is_killed_with_everything_it_started(tmp_pat
     assert not _running(grandchild)
 
 
+@pytest.mark.unit
 def test_step_summary_interval_contains_the_median():
     steady_state = load("steady_state")
     figures = steady_state.summarise([1.0 + i / 100 for i in range(50)], [1.0] * 50)
@@ -251,6 +254,7 @@ def test_epoch_time_runs_both_launchers_on_the_same_training_without_oversubscri
     assert any("ratio autoddp / torchrun, epoch time" in line for line in lines) and "1.0" in lines[-3]
 
 
+@pytest.mark.unit
 def test_epoch_time_verdict_reads_the_interval():
     epoch_time = load("epoch_time")
     runs = {

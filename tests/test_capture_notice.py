@@ -436,6 +436,7 @@ def test_a_model_with_old_gradients_is_not_named_and_sites_skip_its_init(tmp_pat
     assert "Net (stale.py:15): DDP across 2 processes" in result.stderr
 
 
+@pytest.mark.unit
 def test_a_line_the_notice_said_is_not_said_again_for_another_key(capsys):
     """A DataLoader made anew each epoch at one line is a new loader each time, one line in all."""
     from autoddp.capture._notice import Notice

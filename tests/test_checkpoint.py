@@ -87,6 +87,7 @@ def test_save_from_rank0_and_load_everywhere(tmp_path):
         load(tmp_path / "nope.pt")
 
 
+@pytest.mark.unit
 def test_plain_process_round_trip(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
     save((model, {"step": 7}), tmp_path / "c.pt")

@@ -25,6 +25,7 @@ from autoddp.errors import TorchCompatibilityError
 from conftest import run_python
 
 
+@pytest.mark.unit
 def test_a_missing_internal_is_a_loud_error_naming_it():
     with pytest.raises(TorchCompatibilityError, match=r"autoddp needs object.nope \(for a test\).*torch"):
         _compat._need(object(), "nope", "for a test")
@@ -108,6 +109,7 @@ def test_default_store_is_the_groups_key_value_store():
     assert share() == (b"from rank 0", True)
 
 
+@pytest.mark.unit
 def test_ddp_buffer_broadcast_is_still_a_torch_distributed_function():
     # tests/test_rank0.py shows DDP's forward reaching it (refused inside a rank0() body).
     assert _compat.ddp_buffer_broadcast() is getattr(dist, _compat.DDP_BUFFER_BROADCAST)
@@ -150,6 +152,7 @@ def test_loader_iterator_appears_once_persistent_workers_start():
     gc.collect()  # shuts the persistent worker down
 
 
+@pytest.mark.unit
 def test_compiled_parts_and_compiling_the_module_in_place():
     from torch._dynamo.testing import CompileCounter
 
@@ -166,6 +169,7 @@ def test_compiled_parts_and_compiling_the_module_in_place():
     assert torch.equal(inner(x), inner(x)) and counter.frame_count == 1  # one graph, reused
 
 
+@pytest.mark.unit
 def test_the_compile_result_calling_a_module_is_found_from_inside_its_call():
     seen = []
 
@@ -182,6 +186,7 @@ def test_the_compile_result_calling_a_module_is_found_from_inside_its_call():
     assert seen[-1] is compiled and _compat.compiled_parts(compiled)[0] is probe
 
 
+@pytest.mark.unit
 def test_calls_of_a_module_are_routed_and_left_out_of_pickles():
     import pickle
 
@@ -243,6 +248,7 @@ def test_collectives_issued_counts_the_default_groups_collectives_alike_on_every
     assert before0 == before1 and after0 == after1 and after0 - before0 == 2
 
 
+@pytest.mark.unit
 def test_batches_drawn_is_the_count_a_loaders_iterator_has_yielded_this_pass():
     iterator = iter(DataLoader(list(range(10)), batch_size=2))
     assert _compat.batches_drawn(iterator) == 0
@@ -250,6 +256,7 @@ def test_batches_drawn_is_the_count_a_loaders_iterator_has_yielded_this_pass():
     assert _compat.batches_drawn(iterator) == 2
 
 
+@pytest.mark.unit
 def test_version_moves_when_a_gradient_accumulates_in_place():
     grad = torch.zeros(3)
     before = _compat.version(grad)
@@ -270,6 +277,7 @@ def test_a_persistent_iterator_takes_the_order_of_its_next_pass():
     del loader, iterator
 
 
+@pytest.mark.unit
 def test_device_context_is_what_set_default_device_and_a_device_block_make():
     made = []
     context = _compat.device_context()
@@ -293,6 +301,7 @@ def test_device_context_is_what_set_default_device_and_a_device_block_make():
     assert made == ["meta", "meta"]
 
 
+@pytest.mark.unit
 def test_loss_reduction_reads_a_losss_graph_through_scalings():
     import torch.nn.functional as F
 
@@ -376,6 +385,7 @@ def test_the_supported_range_starts_at_the_floor_and_says_what_each_range_lacks(
 # --- the torch releases that changed something: each line checked on the side this torch is -------
 
 
+@pytest.mark.unit
 def test_torch_at_least_reads_the_installed_release():
     major, minor = (int(part) for part in torch.__version__.split(".")[:2])
     assert _compat.releases.torch_at_least((major, minor)) and _compat.releases.torch_at_least((2, 4))
@@ -384,6 +394,7 @@ def test_torch_at_least_reads_the_installed_release():
     )
 
 
+@pytest.mark.unit
 def test_a_store_takes_over_a_bound_socket_with_what_this_torch_needs():
     import socket
 
@@ -409,6 +420,7 @@ def test_a_store_takes_over_a_bound_socket_with_what_this_torch_needs():
         assert _compat.store_listening_on_socket() == {}
 
 
+@pytest.mark.unit
 def test_a_taken_port_is_the_error_this_torch_raises_for_it():
     import datetime
     import socket
@@ -424,6 +436,7 @@ def test_a_taken_port_is_the_error_this_torch_raises_for_it():
         assert type(raised.value) is RuntimeError
 
 
+@pytest.mark.unit
 def test_the_accelerator_module_where_torch_has_one():
     if _compat.releases.torch_at_least(_compat.releases.ACCELERATOR):
         assert _compat.accelerator() is torch.accelerator
@@ -431,6 +444,7 @@ def test_the_accelerator_module_where_torch_has_one():
         assert _compat.accelerator() is None and not hasattr(torch, "accelerator")
 
 
+@pytest.mark.unit
 def test_fsdp2_is_said_missing_exactly_where_torch_lacks_it():
     from torch.distributed import fsdp
 
@@ -466,6 +480,7 @@ def test_a_groups_backends_outlive_it_where_dropping_it_holds_the_gil():
         assert backends() == ["ProcessGroupGloo"]
 
 
+@pytest.mark.unit
 def test_torchrun_gives_the_signals_variable_from_its_release():
     import inspect
 
@@ -477,6 +492,7 @@ def test_torchrun_gives_the_signals_variable_from_its_release():
     assert given == _compat.releases.torch_at_least(_compat.releases.TORCHRUN_SIGNALS)
 
 
+@pytest.mark.unit
 def test_dtensor_is_looked_for_where_this_torch_defines_it():
     import importlib
 
@@ -486,6 +502,7 @@ def test_dtensor_is_looked_for_where_this_torch_defines_it():
         assert not hasattr(importlib.import_module("torch.distributed.tensor"), "DTensor")
 
 
+@pytest.mark.unit
 def test_weights_only_loading_takes_a_set_from_its_release():
     import io
 
@@ -558,6 +575,7 @@ def _defined_by_autoddp(package) -> set[str]:
     return {n for n in names if _private(n)}
 
 
+@pytest.mark.unit
 def test_private_names_are_reached_from_compat_only_and_listed_there():
     """The inventory in ``_compat.names`` is the code's: every private torch (or CPython) name is
     used in ``autoddp/_compat`` only, each one used there is listed, and each listed is used."""

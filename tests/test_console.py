@@ -172,6 +172,7 @@ def test_progress_yields_every_item_on_every_rank_and_one_bar(tmp_path):
         assert not shared.exists() or shared.read_text() == ""
 
 
+@pytest.mark.unit
 def test_progress_bar_is_tqdm_on_rank_0_only():
     pytest.importorskip("tqdm")
     from tqdm.auto import tqdm
@@ -184,18 +185,21 @@ def test_progress_bar_is_tqdm_on_rank_0_only():
         assert list(bar) == [0, 1, 2, 3]
 
 
+@pytest.mark.unit
 def test_progress_without_tqdm_returns_the_iterable(monkeypatch):
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # makes `import tqdm.auto` fail
     items = [3, 1, 2]
     assert console.progress(items, desc="ignored") is items
 
 
+@pytest.mark.unit
 def test_progress_outside_workers_iterates_everything(capsys):
     pytest.importorskip("tqdm")
     assert list(console.progress(range(5), desc="solo", file=sys.stdout, mininterval=600)) == list(range(5))
     assert "solo: 100%" in capsys.readouterr().out
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "args, kwargs",
     [
@@ -216,6 +220,7 @@ def test_outside_workers_it_is_the_builtin_print(capsys, args, kwargs):
     assert capsys.readouterr() == ours
 
 
+@pytest.mark.unit
 def test_outside_workers_file_argument_is_honoured(capsys):
     ours, theirs = io.StringIO(), io.StringIO()
     console.print("to", "file", sep="_", end=".", file=ours)
@@ -240,6 +245,7 @@ class _Recorder(io.StringIO):
         self.flushes += 1
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("rank", [0, 1])
 def test_in_a_world_each_message_is_one_flushed_write(rank):
     out = _Recorder()
@@ -252,12 +258,14 @@ def test_in_a_world_each_message_is_one_flushed_write(rank):
     assert out.flushes == len(out.writes)
 
 
+@pytest.mark.unit
 def test_in_a_world_rank_0_prints_to_stdout_unprefixed(capsys):
     with state.CURRENT.entered(state.World(rank=0, world_size=4)):
         console.print("hello", "world")
     assert capsys.readouterr().out == "hello world\n"
 
 
+@pytest.mark.unit
 def test_in_a_world_lines_end_at_newlines_only_and_any_writable_works():
     class WriteOnly:  # the builtin print needs nothing more than write()
         def __init__(self) -> None:
@@ -272,6 +280,7 @@ def test_in_a_world_lines_end_at_newlines_only_and_any_writable_works():
     assert out.text == "[rank 1] 10%\r20%\x0cdone\n[rank 1] \n"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("rank", [0, 1])
 def test_in_a_world_bad_separators_fail_on_every_rank_as_in_the_builtin(rank):
     with state.CURRENT.entered(state.World(rank=rank, world_size=2)):

@@ -479,6 +479,7 @@ def test_distributed_and_iterable_loaders_are_left_alone_with_a_warning():
     assert len(streams) == 1 and "autoddp.rank()" in streams[0] and "get_worker_info" in streams[0]
 
 
+@pytest.mark.unit
 def test_world_of_one_returns_the_loader_unchanged():
     loader = DataLoader(Indices(5), batch_size=2, shuffle=True)
     sampler, batch_sampler = loader.sampler, loader.batch_sampler
@@ -537,12 +538,14 @@ def test_gather_restores_the_single_process_order():
     assert out["refused_everywhere"] == [True, True]
 
 
+@pytest.mark.unit
 def test_gather_outside_a_process_group_returns_the_tensor():
     t = torch.arange(3)
     assert gather(t) is t
     assert gather(t, DataLoader(Indices(3))) is t
 
 
+@pytest.mark.unit
 def test_sequential_sampler_mapping_in_a_plain_call():
     # Without a process group nothing is broadcast; the sampler is still shared out by rank.
     shares = []

@@ -99,6 +99,7 @@ def test_closure_and_bare_decorator():
     assert closure() == 14
 
 
+@pytest.mark.unit
 def test_signature_and_docstring_are_kept():
     def train(model, lr: float = 0.1, *, epochs: int = 3) -> float:
         """Train it."""
@@ -110,6 +111,7 @@ def test_signature_and_docstring_are_kept():
     assert wrapped.__name__ == "train"
 
 
+@pytest.mark.unit
 def test_single_process_runs_in_place_unchanged():
     marker = object()
 
@@ -209,6 +211,7 @@ def test_a_nested_call_in_place_keeps_the_outer_calls_sample_order():
     assert outer(True) == plain
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "options, message",
     [
@@ -226,6 +229,7 @@ def test_bad_options_fail_at_decoration(options, message):
         autoddp.distributed(**options)
 
 
+@pytest.mark.unit
 def test_generators_and_coroutines_are_refused_at_decoration():
     def gen():
         yield 1
@@ -239,6 +243,7 @@ def test_generators_and_coroutines_are_refused_at_decoration():
         autoddp.distributed(nproc=2)(coro)
 
 
+@pytest.mark.unit
 def test_nccl_without_gpu_is_a_clear_error():
     @autoddp.distributed(nproc=2, backend="nccl")
     def train():
@@ -276,6 +281,7 @@ def test_unpicklable_return_value_is_a_clear_error():
         train()
 
 
+@pytest.mark.unit
 def test_half_launched_environment_is_refused(monkeypatch):
     monkeypatch.setenv("RANK", "1")
 
@@ -287,6 +293,7 @@ def test_half_launched_environment_is_refused(monkeypatch):
         train()
 
 
+@pytest.mark.unit
 def test_helpers_outside_workers():
     assert autoddp.rank() == 0
     assert autoddp.local_rank() == 0

@@ -6,7 +6,11 @@ from __future__ import annotations
 import pathlib
 import re
 
+import pytest
+
 import autoddp
+
+pytestmark = pytest.mark.unit  # every test here starts no process
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -53,3 +57,18 @@ def test_the_docs_extra_installs_the_site_tools():
     extra = config.partition("\ndocs =\n")[2].partition("\n\n")[0]
     names = {line.strip().split(">")[0].split("=")[0] for line in extra.splitlines() if line.strip()}
     assert {"mkdocs", "mkdocs-material", "mkdocstrings[python]"} <= names
+
+
+def test_the_readme_names_the_torch_releases_ci_tests_and_its_parallel_test_command():
+    """The versions in .ci/run are the ones the README names; its test command is the one CI runs,
+    on pytest-xdist's workers with the serial groups kept (``--dist loadgroup``)."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    tested = dict(re.findall(r"^TORCH_(PINNED|FLOOR|NEWEST)=([\d.]+)", ci, flags=re.M))
+    assert tested.keys() == {"PINNED", "FLOOR", "NEWEST"}
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    pinned, floor, newest = tested["PINNED"], tested["FLOOR"], tested["NEWEST"]
+    assert f"CI tests torch {pinned} (the whole suite), {floor} and {newest} (the smoke tests" in readme
+    floor_spec = re.search(r"^\s+torch\s*>=\s*([\d.]+)", (ROOT / "setup.cfg").read_text(), flags=re.M)
+    assert floor_spec and floor.startswith(floor_spec.group(1) + ".")
+    command = readme.partition("<!-- ci:test-command -->")[2].partition("```bash ")[2].partition(" ```")[0]
+    assert command.endswith("python -m pytest -q -n 3 --dist loadgroup"), command

@@ -120,6 +120,7 @@ def hydra_rank(rank: int, size: int = 4, local_size: int = 4, **extra: str) -> d
 # -- SLURM -----------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_slurm_multitask_step_over_two_nodes():
     env = found(srun_task(3, ntasks=4, nodes=["gpu07", "gpu08"], job_id=1234567, job_nodelist="gpu[07-08]"))
     assert isinstance(env, SlurmStep) and env.launched
@@ -134,6 +135,7 @@ def test_slurm_multitask_step_over_two_nodes():
     )
 
 
+@pytest.mark.unit
 def test_slurm_uneven_tasks_per_node():
     # 5 tasks on 2 nodes: srun writes SLURM_STEP_TASKS_PER_NODE=3,1 -> here "3,2" (block layout)
     env = found(srun_task(4, ntasks=5, nodes=["a1", "a2"]))
@@ -145,12 +147,14 @@ def test_slurm_uneven_tasks_per_node():
     assert compact.world().local_world_size == 2
 
 
+@pytest.mark.unit
 def test_every_task_of_a_step_agrees_on_rank_zero():
     worlds = [found(srun_task(r, ntasks=4, nodes=["n1", "n2"], job_id=98765)).world() for r in range(4)]
     assert {(w.master_addr, w.master_port, w.world_size) for w in worlds} == {("n1", 28765, 4)}
     assert sorted(w.rank for w in worlds) == [0, 1, 2, 3]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "env, why",
     [
@@ -178,11 +182,13 @@ def test_slurm_allocation_without_a_multitask_step_is_not_launched(env, why):
     assert "Not a multi-task step" in explanation and "starts its own workers" in explanation
 
 
+@pytest.mark.unit
 def test_salloc_with_many_tasks_says_how_to_use_them():
     explanation = found(salloc_shell(ntasks=4)).explain()
     assert "SLURM_NTASKS=4" in explanation and "only srun starts them" in explanation
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "text, expected",
     [
@@ -201,18 +207,21 @@ def test_hostlist_expansion(text, expected):
     assert first_host(text) == expected[0]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("text", ["node[01-03", "node]1", "node[a-b]", "node[3-1]", "node[]", "", " , "])
 def test_bad_hostlist_names_the_fix(text):
     with pytest.raises(ConfigurationError, match="MASTER_ADDR"):
         first_host(text)
 
 
+@pytest.mark.unit
 def test_first_host_does_not_expand_the_whole_list():
     start = time.monotonic()
     assert first_host("n[0-999999999],m1") == "n0"
     assert time.monotonic() - start < 1
 
 
+@pytest.mark.unit
 def test_port_from_job_id_is_stable_and_in_range():
     assert slurm_port("1234567") == 24567 == slurm_port("1234567")
     ports = [slurm_port(str(job)) for job in range(5_000_000, 5_010_000)]
@@ -223,6 +232,7 @@ def test_port_from_job_id_is_stable_and_in_range():
         slurm_port("12_3")
 
 
+@pytest.mark.unit
 def test_shared_port_is_stable_and_in_range():
     keys = [f"prterun-host-{n}@1" for n in range(2000)]
     ports = [shared_port(key) for key in keys]
@@ -231,6 +241,7 @@ def test_shared_port_is_stable_and_in_range():
     assert len(set(ports)) > 1800
 
 
+@pytest.mark.unit
 def test_master_addr_and_port_override_slurm():
     env = found(srun_task(1, ntasks=2, MASTER_ADDR="10.0.0.5", MASTER_PORT="31000"))
     assert isinstance(env, SlurmStep)
@@ -242,6 +253,7 @@ def test_master_addr_and_port_override_slurm():
             found(srun_task(1, ntasks=2, MASTER_PORT=bad)).world()
 
 
+@pytest.mark.unit
 def test_slurm_step_without_job_id_or_nodelist_names_the_fix():
     env = srun_task(0, ntasks=2)
     for name in ("SLURM_JOB_ID", "SLURM_JOBID"):
@@ -255,6 +267,7 @@ def test_slurm_step_without_job_id_or_nodelist_names_the_fix():
         found(env).world()
 
 
+@pytest.mark.unit
 def test_impossible_slurm_task_ids_are_refused():
     with pytest.raises(ConfigurationError, match="start the job with srun"):
         found({**srun_task(1, ntasks=2), "SLURM_PROCID": "5"}).world()
@@ -263,6 +276,7 @@ def test_impossible_slurm_task_ids_are_refused():
 # -- MPI -------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_open_mpi_on_one_node_uses_loopback_and_a_shared_port():
     worlds = [found(open_mpi_rank(r)) for r in range(4)]
     assert all(isinstance(env, OpenMPI) and env.launched for env in worlds)
@@ -274,6 +288,7 @@ def test_open_mpi_on_one_node_uses_loopback_and_a_shared_port():
     assert "crc32(PMIX_NAMESPACE)" in worlds[0].explain()
 
 
+@pytest.mark.unit
 def test_open_mpi_4_job_id_also_gives_a_port():
     env = open_mpi_rank(1, size=2, local_size=2)
     del env["PMIX_NAMESPACE"]
@@ -281,6 +296,7 @@ def test_open_mpi_4_job_id_also_gives_a_port():
     assert found(env).world().master_port == shared_port(env["OMPI_MCA_orte_hnp_uri"])
 
 
+@pytest.mark.unit
 def test_mpich_and_intel_mpi():
     env = found(hydra_rank(1, size=2, local_size=2, PMI_PORT="host1:41234"))
     assert isinstance(env, MPICH) and env.launched
@@ -293,6 +309,7 @@ def test_mpich_and_intel_mpi():
     assert (fixed.master_addr, fixed.master_port) == ("127.0.0.1", 29777)
 
 
+@pytest.mark.unit
 def test_mpi_over_several_nodes_needs_master_addr():
     with pytest.raises(ConfigurationError, match=r"MASTER_ADDR.*mpirun -x MASTER_ADDR=") as info:
         found(open_mpi_rank(5, size=8, local_size=4)).world()
@@ -305,11 +322,13 @@ def test_mpi_over_several_nodes_needs_master_addr():
     assert world.master_port == shared_port("prterun-host-4711@1")  # the namespace is job-wide
 
 
+@pytest.mark.unit
 def test_pmi_without_local_ranks_names_the_fix():
     with pytest.raises(ConfigurationError, match="MPI_LOCALRANKID"):
         found({"PMI_RANK": "1", "PMI_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}).world()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("env", [open_mpi_rank(0, size=1, local_size=1), hydra_rank(0, size=1, local_size=1)])
 def test_mpi_world_of_one_process_is_plain(env):
     found_env = found(env)
@@ -317,6 +336,7 @@ def test_mpi_world_of_one_process_is_plain(env):
     assert "MPI world of one process" in found_env.explain()
 
 
+@pytest.mark.unit
 def test_mpirun_inside_a_slurm_allocation_is_mpi():
     # mpirun started its daemons with srun (one task per node); the ranks inherit that step's variables
     daemons = srun_task(1, ntasks=2, nodes=["n1", "n2"])
@@ -326,6 +346,7 @@ def test_mpirun_inside_a_slurm_allocation_is_mpi():
     assert "SLURM variables describe the step that started the MPI daemons" in env.explain()
 
 
+@pytest.mark.unit
 def test_srun_direct_mpi_launch_is_slurm():
     # srun --mpi=pmi2: PMI variables describe the same world; SLURM's node list gives the address
     env = found({**srun_task(1, ntasks=2, nodes=["n1", "n2"]), **hydra_rank(1, size=2, local_size=1)})
@@ -336,6 +357,7 @@ def test_srun_direct_mpi_launch_is_slurm():
 # -- torchrun, autoddp, operators, wrappers ----------------------------------------------------
 
 
+@pytest.mark.unit
 def test_torchrun_inside_srun_is_torchrun():
     env = found({**srun_task(1, ntasks=2, nodes=["node01", "node02"]), **torchrun_worker(5)})
     assert isinstance(env, TorchElastic) and env.launched
@@ -345,6 +367,7 @@ def test_torchrun_inside_srun_is_torchrun():
     assert "inside a SLURM step" in env.explain()
 
 
+@pytest.mark.unit
 def test_autoddp_worker_inside_a_slurm_allocation():
     worker = {
         "AUTODDP_RUN_ID": "abc",
@@ -360,6 +383,7 @@ def test_autoddp_worker_inside_a_slurm_allocation():
     assert "operating system picked" in env.port_policy()
 
 
+@pytest.mark.unit
 def test_kubeflow_pytorchjob_replica():
     pod = {
         "MASTER_ADDR": "mnist-master-0",
@@ -380,6 +404,7 @@ def test_kubeflow_pytorchjob_replica():
     assert (script.local_rank, script.local_world_size) == (1, 2)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "env, message",
     [
@@ -393,6 +418,7 @@ def test_half_set_rank_variables_are_refused(env, message):
         found(env)
 
 
+@pytest.mark.unit
 def test_rank_set_by_a_wrapper_in_a_slurm_step():
     same = found({**srun_task(1, ntasks=2), "RANK": "1", "WORLD_SIZE": "2"})
     assert isinstance(same, SlurmStep) and same.world().master_addr == "localhost"
@@ -406,6 +432,7 @@ def test_rank_set_by_a_wrapper_in_a_slurm_step():
     assert "a launcher inside it set RANK/WORLD_SIZE" in inner.explain()
 
 
+@pytest.mark.unit
 def test_plain_process():
     env = found({"HOME": "/root", "CUDA_VISIBLE_DEVICES": "0,1"})
     assert isinstance(env, Plain) and not env.launched
@@ -413,6 +440,7 @@ def test_plain_process():
     assert "no launcher variables set" in env.explain()
 
 
+@pytest.mark.unit
 def test_gpu_assignment_and_idle_gpus(monkeypatch):
     monkeypatch.setattr(hardware, "gpu_count", lambda: 1)  # --gpus-per-task=1: each task sees one GPU
     assert found(srun_task(3, ntasks=4)).world().device == "cuda:0"

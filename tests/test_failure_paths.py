@@ -239,6 +239,7 @@ class _Counted(IterableDataset):
         return iter(range(4))
 
 
+@pytest.mark.unit
 def test_a_dataset_holding_the_world_size_counts_as_sharding_itself():
     from autoddp.data.loaders import shards_itself
 
@@ -246,6 +247,7 @@ def test_a_dataset_holding_the_world_size_counts_as_sharding_itself():
     assert not shards_itself(type("Plain", (IterableDataset,), {"__iter__": lambda self: iter(())})())
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "options, message",
     [
@@ -269,11 +271,13 @@ def test_a_large_tensor_result_travels_intact():
     assert out["rank"] == 0 and torch.equal(out["big"], torch.arange(16 * 2**20, dtype=torch.float32))
 
 
+@pytest.mark.unit
 def test_an_unknown_option_names_the_closest_one():
     with pytest.raises(ConfigurationError, match=r"no option 'nprocs'; did you mean nproc=\?"):
         autoddp.distributed(nprocs=2)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "message",
     [

@@ -11,10 +11,13 @@ import sys
 import traceback
 import warnings
 
+import pytest
 import torch
 
 import autoddp
 from autoddp import _frames, _warn
+
+pytestmark = pytest.mark.unit  # every test here starts no process
 
 PACKAGE = pathlib.Path(autoddp.__file__).resolve().parent
 TORCH_FILE = torch.nn.modules.module.__file__

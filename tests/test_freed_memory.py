@@ -42,6 +42,7 @@ print("FAULTS", json.dumps(faults))
 """
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "environ",
     [

@@ -79,6 +79,7 @@ def _close(state: dict, reference: dict) -> None:
         torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.unit
 def test_units_are_the_repeated_blocks():
     model = Net()
     assert units(model) == list(model.blocks)
@@ -211,6 +212,7 @@ def test_the_command_with_fsdp_on_an_unmodified_script(tmp_path):
     _close(sharded, single)
 
 
+@pytest.mark.unit
 def test_fsdp_options_are_checked():
     with pytest.raises(ConfigurationError, match="strategy"):
         autoddp.distributed(strategy="zero3")
@@ -222,6 +224,7 @@ def test_fsdp_options_are_checked():
         autoddp.distributed(strategy="fsdp", fsdp_blocks="Block")
 
 
+@pytest.mark.unit
 def test_one_process_runs_unsharded_with_a_note():
     @autoddp.distributed(nproc=1, strategy="fsdp")
     def train(model):

@@ -148,6 +148,7 @@ def _run(tmp_path, args: list[str], env: dict[str, str]):
 # --- the rules, fed the facts --------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_the_own_gpu_is_the_worlds_else_the_local_rank_among_the_visible_ones():
     assert placement.own_gpu(World(local_rank=1, world_size=2, device="cuda:1"), 8) == 1
     assert placement.own_gpu(World(local_rank=3, world_size=4, device="cuda:0"), 1) == 0  # one per task
@@ -156,6 +157,7 @@ def test_the_own_gpu_is_the_worlds_else_the_local_rank_among_the_visible_ones():
     assert placement.own_gpu(World(local_rank=1, world_size=2, device="cpu"), 0) is None
 
 
+@pytest.mark.unit
 def test_gpu_0_and_the_local_rank_mean_the_own_gpu_another_ranks_is_an_error():
     world = World(rank=1, local_rank=1, world_size=2, device="cuda:1")
     assert placement.own_index(0, 1, world) == 1
@@ -167,6 +169,7 @@ def test_gpu_0_and_the_local_rank_mean_the_own_gpu_another_ranks_is_an_error():
         placement.own_index(1, 0, World(rank=0, local_rank=0, world_size=2, device="cuda:0"))
 
 
+@pytest.mark.unit
 def test_capture_reads_the_device_arguments_by_the_same_rule():
     devices = Devices(World(rank=1, local_rank=1, world_size=2, device="cuda:1"), lambda: None)
     assert devices.device(0) == 1 and devices.device(1) == 1

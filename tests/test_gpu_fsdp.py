@@ -139,6 +139,7 @@ def test_a_meta_built_model_shards_first_trains_like_one_process_and_loads_a_ful
     assert one["loaded"] < 0.25 * total, one
 
 
+@pytest.mark.unit
 def test_a_meta_built_module_without_reset_parameters_is_refused():
     class Scale(nn.Module):
         def __init__(self) -> None:

@@ -151,6 +151,7 @@ def test_gpu_workers_get_nccl_diagnostics_and_their_dumps_outlive_the_run(tmp_pa
         assert env["TORCH_GLOO_LAZY_INIT"] == "1"
 
 
+@pytest.mark.unit
 def test_a_gpu_group_waits_nccl_s_ten_minutes_unless_told_otherwise():
     world = World(rank=1, local_rank=1, world_size=2, local_world_size=2, device="cuda:1")
     arguments = group_arguments(world, GPUS, "cuda:1", None)
@@ -166,6 +167,7 @@ def test_a_gpu_group_waits_nccl_s_ten_minutes_unless_told_otherwise():
     assert cpu["timeout"] == constants.default_pg_timeout and "device_id" not in cpu
 
 
+@pytest.mark.unit
 def test_nccl_diagnostics_are_for_gpu_runs_and_keep_what_the_user_set():
     assert nccl_variables({}, "/run", gpus=0) == {}
     assert nccl_variables({}, "/run", gpus=2) == {
@@ -182,6 +184,7 @@ def test_nccl_diagnostics_are_for_gpu_runs_and_keep_what_the_user_set():
     assert nccl_variables(users, "/run", gpus=2) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
 
 
+@pytest.mark.unit
 def test_the_gloo_group_beside_nccl_is_lazy_unless_the_user_chose():
     assert side_gloo_variables({}, gpus=0) == {}
     assert side_gloo_variables({}, gpus=4) == {"TORCH_GLOO_LAZY_INIT": "1"}

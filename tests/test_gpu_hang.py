@@ -114,6 +114,7 @@ class FakeWriter:
         self.written.append((number, name, since, site))
 
 
+@pytest.mark.unit
 def test_tokens_are_dropped_in_order_as_they_complete_and_the_oldest_pending_is_shown():
     waits = pending.Pending()
     writer = FakeWriter()
@@ -144,6 +145,7 @@ def test_tokens_are_dropped_in_order_as_they_complete_and_the_oldest_pending_is_
     assert len(waits.tokens) == pending.MAX_TOKENS
 
 
+@pytest.mark.unit
 def test_a_record_with_a_pending_collective_is_judged_waiting_in_it(tmp_path):
     path = record.record_path(str(tmp_path), 0)
     writer = record.Writer(path, 0, 2, 0)
@@ -182,6 +184,7 @@ class FakeEvent:
         return self.done
 
 
+@pytest.mark.unit
 def test_on_cuda_a_sync_collective_and_ddps_backward_wait_until_their_stream_event_completes(
     tmp_path, monkeypatch
 ):

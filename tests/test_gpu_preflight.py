@@ -109,6 +109,7 @@ def facts(environ: dict[str, str], gpus: int) -> preflight.Placement:
     return preflight.placement(env.world(), env, environ, gpus)
 
 
+@pytest.mark.unit
 def test_each_rank_gets_its_own_gpu_or_an_error_naming_the_numbers_and_the_flag():
     # torchrun --nproc-per-node 2 on one GPU: local rank 1 has no cuda:1, rank 0 would be alone
     with pytest.raises(ConfigurationError) as error:
@@ -145,6 +146,7 @@ def test_each_rank_gets_its_own_gpu_or_an_error_naming_the_numbers_and_the_flag(
         preflight.gpu_index(facts(open_mpi_rank(0, 4, 4), gpus=2))
 
 
+@pytest.mark.unit
 def test_idle_gpus_are_said_with_the_flag_that_uses_them():
     # srun -N2 --ntasks-per-node=1 on nodes of 8 GPUs: a multi-task step, run in place, one rank a node
     for rank in range(2):
@@ -167,6 +169,7 @@ def test_idle_gpus_are_said_with_the_flag_that_uses_them():
     assert preflight.idle_notice(wide).endswith("srun --ntasks-per-node=8")
 
 
+@pytest.mark.unit
 def test_shm_below_nccls_advice_is_said_with_the_container_flags():
     note = preflight.shm_notice(64 * MIB, 64 * MIB, 8, {})
     assert note is not None and "64 MiB free of 64 MiB" in note and "8 ranks of this machine" in note
@@ -178,6 +181,7 @@ def test_shm_below_nccls_advice_is_said_with_the_container_flags():
     assert preflight.shm_notice(4 << 30, 900 * MIB, 2, {}) is not None  # free space counts, not size
 
 
+@pytest.mark.unit
 def test_gpus_the_caller_holds_in_exclusive_mode_are_refused_before_workers_start():
     exclusive, default, prohibited = (
         preflight.COMPUTE_EXCLUSIVE_PROCESS,

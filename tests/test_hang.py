@@ -322,6 +322,7 @@ def test_across_nodes_node0_names_the_late_rank_or_each_node_reports_its_own(
 # --- the pieces, without processes: the dump's parsing, the verdict, the repeat policy -----------
 
 
+@pytest.mark.unit
 def test_the_main_threads_frames_are_read_from_a_real_faulthandler_dump(tmp_path):
     import faulthandler
 
@@ -359,6 +360,7 @@ def _rec(rank, kind=record.OUTSIDE, since=0.0, name="all_reduce", site="", world
     )
 
 
+@pytest.mark.unit
 def test_the_verdict_on_what_the_records_say():
     judge = verdict.judge
     block = "the rank0() block at /home/me/train.py:88"
@@ -398,6 +400,7 @@ def test_the_verdict_on_what_the_records_say():
     assert [s.kind for s in judge(together, 2, 100, 60)] == [verdict.TOGETHER]
 
 
+@pytest.mark.unit
 def test_the_ranks_of_an_unreachable_node_are_named_as_lost_not_by_their_last_record():
     # node 0's view of every node: rank 1's node is lost, so its record is dropped (absent)
     (gone,) = verdict.judge({0: _rec(0, record.COLLECTIVE, since=30), 1: None}, 2, now=100, seconds=60)
@@ -421,11 +424,13 @@ def test_the_ranks_of_an_unreachable_node_are_named_as_lost_not_by_their_last_re
     )
 
 
+@pytest.mark.unit
 def test_ranks_are_written_as_ranges():
     assert message._ranks([1]) == "rank 1"
     assert message._ranks([3, 1, 2, 7, 5, 6, 9, 10]) == "ranks 1..3, 5..7, 9, 10"
 
 
+@pytest.mark.unit
 def test_a_situation_is_reported_once_then_at_most_every_repeat_and_anew_when_it_changes(tmp_path):
     """The watch's policy, on real record files (the workers' side written by hand)."""
     said: list[str] = []

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import uuid
 
+import pytest
+
 from autoddp.environment import SlurmStep, shared_port, slurm_port
 from conftest import write
 
@@ -97,6 +99,7 @@ def test_a_taken_port_is_a_clear_error(tmp_path):
     assert "Set MASTER_PORT to a free port" in proc.stderr
 
 
+@pytest.mark.unit
 def test_steps_of_one_slurm_job_get_different_ports():
     ports = [slurm_port("1234567", step) for step in range(10)]
     assert ports[0] == 24567 and len(set(ports)) == 10

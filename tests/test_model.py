@@ -224,6 +224,7 @@ def test_ddp_keyword_arguments_and_untrainable_models():
     assert train(Net(), frozen) == (True, False)
 
 
+@pytest.mark.unit
 def test_ddp_options_are_checked():
     with pytest.raises(autoddp.ConfigurationError, match="device_ids"):
         autoddp.distributed(ddp={"device_ids": [0]})
@@ -265,6 +266,7 @@ def test_sync_batchnorm_option_and_hint():
     assert "sync_batchnorm=True" in _batchnorm_hint("BNNet", "cuda:0")
 
 
+@pytest.mark.unit
 def test_single_process_prepare_only_moves():
     model = Net()
     assert autoddp.prepare(model) is model and not is_wrapped(model)
@@ -272,6 +274,7 @@ def test_single_process_prepare_only_moves():
     assert nested["a"][0] is model and nested["b"][0] is model
 
 
+@pytest.mark.unit
 def test_prepare_can_be_extended_for_new_types():
     class Box:
         def __init__(self, value):

@@ -17,6 +17,7 @@ from conftest import run_python
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's interface tables")
 
 
+@pytest.mark.unit
 @linux
 def test_loopback_master_uses_the_loopback_interface():
     route = network.route_to("127.0.0.1")
@@ -26,6 +27,7 @@ def test_loopback_master_uses_the_loopback_interface():
     assert "network interface lo (127.0.0.1), the one that routes to 127.0.0.1" in choice.summary
 
 
+@pytest.mark.unit
 @linux
 def test_an_address_of_this_machine_routes_through_its_own_interface():
     try:
@@ -39,6 +41,7 @@ def test_an_address_of_this_machine_routes_through_its_own_interface():
     assert route.interface is not None and route.interface != "lo"
 
 
+@pytest.mark.unit
 @linux
 def test_a_host_name_that_resolves_to_loopback_here_faces_the_other_machines():
     name = socket.gethostname()
@@ -50,6 +53,7 @@ def test_a_host_name_that_resolves_to_loopback_here_faces_the_other_machines():
     assert f"{name} resolves to 127." in route.note and not route.owns_address
 
 
+@pytest.mark.unit
 def test_the_users_setting_is_left_alone():
     for name in network.IFNAME_VARIABLES:
         choice = network.choose("127.0.0.1", {name: "eth7"})
@@ -57,6 +61,7 @@ def test_the_users_setting_is_left_alone():
         assert f"{name}='eth7' set by you" in choice.summary
 
 
+@pytest.mark.unit
 def test_a_master_that_does_not_resolve_is_a_clear_error():
     with pytest.raises(ConfigurationError, match=r"'no-such-host\.invalid' does not resolve.*--master"):
         network.choose("no-such-host.invalid", {})
@@ -69,6 +74,7 @@ ib0\t000D0A0A\t00000000\t0001\t0\t0\t0\t00FFFFFF\t0\t0\t0
 """
 
 
+@pytest.mark.unit
 @pytest.mark.skipif(sys.byteorder != "little", reason="the table below is written in x86's byte order")
 def test_route_table_longest_prefix(tmp_path):
     table = tmp_path / "route"
@@ -79,6 +85,7 @@ def test_route_table_longest_prefix(tmp_path):
     assert network._ipv4_route_interface("8.8.8.8", str(tmp_path / "missing")) is None
 
 
+@pytest.mark.unit
 def test_ipv6_address_table(tmp_path):
     table = tmp_path / "if_inet6"
     table.write_text(
@@ -90,6 +97,7 @@ def test_ipv6_address_table(tmp_path):
     assert network._ipv6_interface("fd00::3", str(table)) is None
 
 
+@pytest.mark.unit
 def test_hydra_proxy_is_found_above_this_process(tmp_path):
     # MPICH gives ranks on one node no shared variable: the proxy that started them is shared.
     def stat(pid: int, name: str, parent: int) -> None:
@@ -118,9 +126,18 @@ def test_env_report_respects_the_users_setting(tmp_path, monkeypatch):
     assert "GLOO_SOCKET_IFNAME='eth7' set by you" in " ".join(proc.stdout.split())
 
 
-def test_env_takes_only_master(tmp_path):
-    proc = run_python(["-m", "autoddp.cli", "env", "--nproc", "2"], cwd=tmp_path)
-    assert proc.returncode == 2 and "autoddp env takes only --master HOST:PORT" in proc.stderr
+def test_env_is_a_command_of_its_own_with_its_own_flags(tmp_path):
+    for args in (["env", "--nproc", "3"], ["-n", "3", "env"]):  # after env, or before it as for a script
+        proc = run_python(["-m", "autoddp.cli", *args], cwd=tmp_path)
+        assert proc.returncode == 0, (args, proc.stderr)
+        assert "autoddp script.py here: 3 processes (asked for)" in proc.stdout, (args, proc.stdout)
+    proc = run_python(["-m", "autoddp.cli", "env", "--bogus"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "autoddp: error: no such option '--bogus' (see autoddp env --help)"
+    proc = run_python(["-m", "autoddp.cli", "env", "--help"], cwd=tmp_path)
+    assert (
+        proc.returncode == 0 and "Usage: autoddp env [OPTIONS]" in proc.stdout and "--master" in proc.stdout
+    )
 
 
 @linux

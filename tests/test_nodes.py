@@ -89,6 +89,7 @@ def test_decorated_function_on_two_nodes_returns_rank0_value_on_node0(tmp_path):
     assert [out.strip() for _, out, _ in results] == ["node 0: (0, 2, 3.0)", "node 1: None"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -105,6 +106,7 @@ def test_bad_multi_node_options_are_clear_errors(kwargs, message):
         nodes.plan(**kwargs)
 
 
+@pytest.mark.unit
 def test_the_join_timeout_is_one_setting():
     base = {"nnodes": 2, "node_rank": 0, "master": "host:1"}
     assert nodes.plan(**base).join_timeout == nodes.DEFAULT_JOIN_TIMEOUT < 15 * 60
@@ -118,6 +120,7 @@ def test_the_join_timeout_is_one_setting():
             nodes.plan(**base, join_timeout=bad)
 
 
+@pytest.mark.unit
 def test_elastic_range_uses_c10d():
     plan = nodes.plan("1:4", rdzv_endpoint="host:29400", rdzv_id="job7")
     assert (plan.min_nodes, plan.max_nodes, plan.backend, plan.run_id) == (1, 4, "c10d", "job7")
@@ -193,6 +196,7 @@ def test_ranks_and_log_dir_mean_on_two_nodes_what_they_mean_on_one(two_runs):
             assert f"{stream} of rank {rank}" in found.read_text().splitlines()
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(150)
 def test_a_timeout_on_two_nodes_is_triaged_as_on_one(two_runs):
     runs, _ = two_runs

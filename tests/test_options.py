@@ -7,11 +7,14 @@ import dataclasses
 import inspect
 import pathlib
 
+import pytest
 from click.testing import CliRunner
 
 import autoddp
 from autoddp import options
 from autoddp.cli import main
+
+pytestmark = pytest.mark.unit  # every test here starts no process
 
 
 def test_the_decorator_the_command_and_the_readme_come_from_one_list():

@@ -43,6 +43,7 @@ def replacement(text: str):
     return method
 
 
+@pytest.mark.unit
 def test_a_unit_restores_exactly_and_only_once():
     own, static = vars(Owner)["method"], vars(Owner)["helper"]
     unit = _patches.install([(Owner, "method", replacement("a")), (Owner, "helper", replacement("b"))])
@@ -56,6 +57,7 @@ def test_a_unit_restores_exactly_and_only_once():
     assert "method" not in vars(Child) and Child().method() == "original"  # inherited again
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("first", ["inner", "outer"])
 def test_nested_units_restored_in_either_order_leave_the_original(first):
     own = vars(Owner)["method"]
@@ -68,6 +70,7 @@ def test_nested_units_restored_in_either_order_leave_the_original(first):
     assert vars(Owner)["method"] is own
 
 
+@pytest.mark.unit
 def test_an_inner_unit_restored_first_gives_the_outer_replacement_back_exactly():
     outer_method = replacement("outer")
     with _patches.Patches([(Owner, "method", outer_method)]):
@@ -76,6 +79,7 @@ def test_an_inner_unit_restored_first_gives_the_outer_replacement_back_exactly()
         assert vars(Owner)["method"] is outer_method
 
 
+@pytest.mark.unit
 def test_someone_elses_replacement_is_kept():
     own = vars(Owner)["method"]
     theirs = replacement("theirs")
@@ -95,6 +99,7 @@ def test_someone_elses_replacement_is_kept():
         Owner.method = own
 
 
+@pytest.mark.unit
 def test_an_install_that_fails_halfway_leaves_nothing():
     own = vars(Owner)["method"]
 
@@ -108,6 +113,7 @@ def test_an_install_that_fails_halfway_leaves_nothing():
     assert (Owner, "method") not in _patches.active()
 
 
+@pytest.mark.unit
 def test_capture_device_habits_leave_torch_as_it_was():
     # (their patches are made on a machine with GPUs; installing them touches no GPU)
     from autoddp.capture.devices import Devices

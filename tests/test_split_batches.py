@@ -366,6 +366,7 @@ def test_what_cannot_be_split_is_a_clear_error_with_the_fix(case, says):
     assert "leave split_batches off" in str(error.value) or "fewer processes" in str(error.value)
 
 
+@pytest.mark.unit
 def test_bad_options_fail_when_decorating():
     with pytest.raises(ConfigurationError, match="split_batches='yes' must be True or False"):
         autoddp.distributed(split_batches="yes")(_train)
@@ -375,6 +376,7 @@ def test_bad_options_fail_when_decorating():
         autoddp.prepare(nn.Linear(1, 1), split_batches=1)
 
 
+@pytest.mark.unit
 def test_the_command_takes_the_flag():
     from click.testing import CliRunner
 

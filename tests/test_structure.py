@@ -9,6 +9,8 @@ import json
 import pathlib
 import re
 
+import pytest
+
 import autoddp
 from conftest import run_python
 
@@ -71,6 +73,7 @@ def _a_cycle(graph: dict[str, set[str]]) -> list[str]:
     return []
 
 
+@pytest.mark.unit
 def test_the_import_graph_has_no_cycle():
     modules = _modules()
     graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
@@ -116,6 +119,7 @@ def _layer_of_each_module() -> dict[str, int]:
     return found
 
 
+@pytest.mark.unit
 def test_no_import_runs_back_up_a_layer():
     """Rows of the layer table are in dependency order: a module imports from its own row or
     those above it (the table's first row is the bottom layer, the leaves)."""
@@ -140,6 +144,7 @@ def _folder_of(name: str, modules: dict[str, pathlib.Path]) -> str:
     return parts[-1]
 
 
+@pytest.mark.unit
 def test_folders_are_layers_too_no_two_import_each_other():
     """A folder is a concept and a layer: its imports of other folders run one way only (the
     folder graph, root modules each their own node, has no cycle)."""
@@ -159,6 +164,7 @@ def test_folders_are_layers_too_no_two_import_each_other():
     assert {"world/", "worker/", "capture/", "hang/", "launch/"} <= set(graph)
 
 
+@pytest.mark.unit
 def test_the_layer_table_is_checked():
     """The table read here is the one on the page (a module moved a row is caught)."""
     layers = dict(_layers())
@@ -169,6 +175,7 @@ def test_the_layer_table_is_checked():
     assert layer["autoddp.capture.passes"] == [row for row, _ in _layers()].index("in a world")
 
 
+@pytest.mark.unit
 def test_few_modules_at_the_root_and_strategies_behind_their_seam():
     root = sorted(path.name for path in PACKAGE.glob("*.py"))
     assert len(root) <= MAX_ROOT_MODULES, root
@@ -207,6 +214,7 @@ def test_every_module_imports_first_in_a_fresh_interpreter():
     assert json.loads(result.stdout.splitlines()[-1]) == {}
 
 
+@pytest.mark.unit
 def test_no_module_is_over_the_size_limit():
     sizes = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
     assert {name: n for name, n in sizes.items() if n > MAX_LINES} == {}
@@ -215,6 +223,7 @@ def test_no_module_is_over_the_size_limit():
 MAX_FUNCTION_LINES = 80
 
 
+@pytest.mark.unit
 def test_no_function_is_over_eighty_lines():
     """A function a reader can hold at once: the longest split into named steps."""
     long = sorted(
@@ -227,6 +236,7 @@ def test_no_function_is_over_eighty_lines():
     assert long == []
 
 
+@pytest.mark.unit
 def test_the_public_api_is_the_documented_one():
     assert sorted(autoddp.__all__) == [
         "AutoDDPError",
@@ -261,6 +271,7 @@ def test_the_public_api_is_the_documented_one():
     assert undocumented == [], "every export is described in the docs' pages, beyond the API page"
 
 
+@pytest.mark.unit
 def test_the_package_ships_its_license_and_type_marker():
     """setup.cfg's license has its file, and the package says it is typed (PEP 561)."""
     root = PACKAGE.parent
@@ -271,6 +282,7 @@ def test_the_package_ships_its_license_and_type_marker():
     assert (root / "CHANGELOG.md").read_text().startswith("# Changelog")
 
 
+@pytest.mark.unit
 def test_each_autoddp_variable_is_spelled_once():
     """The launcher-worker contract's names live in ``autoddp/_variables.py``, nowhere else."""
     spelled = sorted(

@@ -148,6 +148,7 @@ def test_deep_copying_a_sharded_model_says_what_to_do_instead():
         train()
 
 
+@pytest.mark.unit
 def test_options_that_cannot_work_are_refused_when_decorating():
     with pytest.raises(ConfigurationError, match="did you mean 'find_unused_parameters'"):
         autoddp.distributed(ddp={"find_unused": True})

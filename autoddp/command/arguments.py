@@ -35,7 +35,7 @@ class OneLineCommand(click.Command):
             return super().make_context(info_name, args, parent, **extra)
         except click.UsageError as error:
             text = error.format_message().rstrip(".")
-            fail(f"{text[:1].lower()}{text[1:]} (see autoddp --help)")
+            fail(f"{text[:1].lower()}{text[1:]} (see {self.name} --help)")  # autoddp, autoddp env
 
 
 def as_flags(message: str) -> str:

@@ -19,7 +19,6 @@ import torch
 
 from autoddp import _compat, environment
 from autoddp.environment import hardware, network
-from autoddp.errors import ConfigurationError
 from autoddp.state import World
 
 _WIDTH = 100
@@ -292,18 +291,3 @@ def _start_method(gpus: int) -> str:
 
     method, reason = launch.choose_start_method("auto", process_group.resolve_backend(None, gpus))
     return f"{method} ({reason})"
-
-
-def for_command(master: str | None, args: tuple[str, ...], nproc: int | None = None) -> str:
-    """``autoddp [-n N] env [--master HOST:PORT]``: the report, with the interface towards node 0 if
-    given and the command's processes (``nproc``, asked for; else what it would choose)."""
-    rest = list(args)
-    if rest[:1] == ["--master"] and len(rest) == 2:
-        master, rest = rest[1], []
-    elif len(rest) == 1 and rest[0].startswith("--master="):
-        master, rest = rest[0].partition("=")[2], []
-    if rest:
-        raise ConfigurationError(
-            "autoddp env takes only --master HOST:PORT (to run a script named env, write ./env)"
-        )
-    return describe(master=master, nproc=nproc)

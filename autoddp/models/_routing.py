@@ -79,6 +79,10 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         return torch.compiler.disable(_adopt_compile)(self, args, kwargs)
     plain = getattr(type(self), _class_swap.PLAIN_CLASS)
     replica = self.__dict__.get(REPLICA_ATTR)
+    if replica is not None and replica.inside and replica.updated_buffers.looking:
+        # The module's own forward inside its DDP's: after DDP's buffer broadcast, which bumps
+        # every buffer's version on some torch releases (2.4), so only the forward's updates count.
+        return replica.updated_buffers.around(self, plain.__call__, args, kwargs)
     if replica is None or _ROUTING.inside or not torch.is_grad_enabled():
         return plain.__call__(self, *args, **kwargs)
     ddp = replica.for_call(self, args, kwargs)
@@ -87,11 +91,8 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     _ROUTING.inside = replica.inside = True
     _ROUTING.calls += 1
     replica.forwards += 1
-    versions = replica.updated_buffers.before(self)
     try:
         result = ddp(*args, **kwargs)
-        if versions is not None:
-            replica.updated_buffers.after(self, versions)
         if replica.watched:  # an optimizer's guard reads which backward passes DDP averaged
             replica.reduction.forwarded(result, ddp.require_backward_grad_sync)
         if CURRENT.split_weight is not None:  # split_batches: this rank's part weighs its share

@@ -9,6 +9,9 @@ value one process computes over the whole batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from autoddp import _compat, _warn
@@ -44,15 +47,21 @@ class UpdatedBuffers:
     def __init__(self, rank: int) -> None:
         self.looks = self.LOOKS if rank == 0 else 0  # said by rank 0 only: every rank would say the same
 
-    def before(self, module: torch.nn.Module) -> dict[str, int] | None:
-        """The buffers' versions before a forward, while still looking; else None (no cost)."""
-        if self.looks <= 0:
-            return None
-        self.looks -= 1
-        return {name: _compat.version(buffer) for name, buffer in _own_statistics(module)}
+    @property
+    def looking(self) -> bool:
+        """Whether the next forward is still looked at (after that, the forward costs nothing)."""
+        return self.looks > 0
 
-    def after(self, module: torch.nn.Module, versions: dict[str, int]) -> None:
-        """Say, once, which buffers the forward changed since ``before``."""
+    def around(self, module: torch.nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Run the module's own ``forward`` (inside DDP's, after its buffer broadcast) and look."""
+        self.looks -= 1
+        versions = {name: _compat.version(buffer) for name, buffer in _own_statistics(module)}
+        result = forward(module, *args, **kwargs)
+        self._say_changed(module, versions)
+        return result
+
+    def _say_changed(self, module: torch.nn.Module, versions: dict[str, int]) -> None:
+        """Say, once, which buffers the forward changed since ``versions`` were read."""
         changed = [
             name for name, buffer in _own_statistics(module) if versions.get(name) != _compat.version(buffer)
         ]
