@@ -304,8 +304,10 @@ def test_launches_on_fake_gpus_stop_or_place_before_nccl_and_say_what_slows_them
 
     out, err, code = results["torchrun"]
     assert code != 0, out + err
-    for rank in (0, 1):
-        assert f"ConfigurationError: 2 ranks run on node 0 but local rank {rank} sees 1 GPU(s)" in err
+    # Each rank stops by itself; torchrun ends the other when the first fails, so on a loaded
+    # machine the second may be gone before it printed: at least one says it, none says otherwise.
+    said = [rank for rank in (0, 1) if f"2 ranks run on node 0 but local rank {rank} sees 1 GPU(s)" in err]
+    assert said and "ConfigurationError: 2 ranks run on node 0" in err, err
     assert "torchrun --nproc-per-node=1" in err
     assert recorded(tmp_path / "torchrun") == []  # neither set_device nor init_process_group was called
 
