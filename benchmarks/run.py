@@ -183,7 +183,7 @@ def run_command(
         raise
     end = time.time()
     if proc.returncode != 0:
-        tail = "\n".join((out + err).strip().splitlines()[-25:])
+        tail = "\n".join((out + err).strip().splitlines()[-60:])  # torchrun's summary alone is ~25 lines
         raise RuntimeError(f"{' '.join(command)} exited with {proc.returncode}:\n{tail}")
     return start, end, out
 

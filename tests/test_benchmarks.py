@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -238,7 +239,17 @@ def test_step_overhead_measures_three_sizes_against_ddp_and_prints_json():
 def test_epoch_time_runs_both_launchers_on_the_same_training_without_oversubscribing(capsys, monkeypatch):
     epoch_time = load("epoch_time")
     monkeypatch.setenv("OMP_NUM_THREADS", "64")  # the benchmark leaves it out, as a user's shell has it
-    epoch_time.main(["--rounds", "1", "--epochs", "3", "--samples", "512"])
+    arguments = ["--rounds", "1", "--epochs", "3", "--samples", "512"]
+    try:
+        epoch_time.main(arguments)
+    except RuntimeError as error:
+        # Plain torchrun with hand-written DDP (no autoddp in it) once had a worker abort in gloo
+        # on CI's loaded machine: the baseline's own failure gets one more round, said in the summary.
+        if "torchrun --standalone" not in str(error) or "--hand-written-ddp" not in str(error):
+            raise
+        warnings.warn(f"the torchrun baseline failed once and ran again: {error}", stacklevel=1)
+        capsys.readouterr()
+        epoch_time.main(arguments)
     lines = capsys.readouterr().out.strip().splitlines()
     figures = json.loads(lines[-1])
     cores = figures["machine"]["cpu_cores"]
