@@ -127,13 +127,14 @@ def test_segfault_is_a_worker_error():
 def test_several_failures_lead_with_the_first_and_list_the_rest():
     @autoddp.distributed(nproc=2)
     def train():
-        if autoddp.rank() == 0:
-            raise KeyError("first")
-
         def second(*_):  # rank 1 fails too, when autoddp stops it after rank 0's failure
             raise ValueError("second")
 
-        signal.signal(signal.SIGTERM, second)
+        if autoddp.rank() == 1:
+            signal.signal(signal.SIGTERM, second)
+        dist.barrier()  # rank 1's handler is in place before rank 0 fails (a slow start missed it)
+        if autoddp.rank() == 0:
+            raise KeyError("first")
         threading.Event().wait()  # (never set: only the stop ends the wait)
 
     with pytest.raises(KeyError, match="rank 0 of 2") as info:
