@@ -169,6 +169,17 @@ def active() -> list[tuple[Any, str]]:
         return [(stack[0].owner, stack[0].name) for stack in _STACKS.values()]
 
 
+def replacements() -> list[tuple[Any, str, Any, Any]]:
+    """``(owner, name, replacement, value before the first patch)`` of every unit's replacement in
+    place now, innermost last (a test checks that each takes the calls the original takes)."""
+    with _LOCK:
+        return [
+            (layer.owner, layer.name, layer.replacement, _EVER[key][2])
+            for key, stack in _STACKS.items()
+            for layer in stack
+        ]
+
+
 def label(owner: Any, name: str) -> str:
     """``owner.name`` as a reader knows it (``torch.distributed.all_reduce``, ``torch.Tensor.to``)."""
     if isinstance(owner, type):

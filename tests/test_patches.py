@@ -15,10 +15,11 @@ import os
 import pytest
 import torch
 from helpers import fork_or_skip, free_port
-from patch_inspection import inspected, reports
+from patch_inspection import defining_value, inspected, reports, signature_faults
 
 import autoddp
 from autoddp import _patches
+from conftest import needs_fsdp, run_python, write
 
 
 class Owner:
@@ -247,3 +248,114 @@ def test_after_every_kind_of_run_every_patched_attribute_is_the_original(tmp_pat
         assert result["patched"] >= len(seen)
     # rank 0 ran the rank0() block, with the collectives refused (autoddp.barrier only there)
     assert "autoddp.barrier" in results[0]["seen"] and "autoddp.barrier" not in results[1]["seen"]
+
+
+# --- every wrapper takes the call exactly as the original does ----------------------------------
+
+#: Run under ``autoddp -n 2``: note every replacement autoddp has in place when the script starts
+#: (capture, the hang marks, the kept groups) and every one a unit installs later (rank0()'s
+#: refusals, FSDP's whole reads), train through the paths that install them, make a DDP by
+#: keyword as Lightning does, then check each against the original (``signature_faults``).
+SIGNATURES = """
+import json, os, sys
+sys.path.insert(0, {tests!r})
+import torch
+import autoddp
+from autoddp import _compat, _patches
+from autoddp._compat import names
+from patch_inspection import defining_value, signature_faults
+
+seen = {{}}
+
+def note(owner, name, replacement, before):
+    seen.setdefault(_patches.label(owner, name), []).append((owner, name, replacement, before))
+
+for owner, name, replacement, before in _patches.replacements():
+    note(owner, name, replacement, before)
+install = _patches.Patches.install
+
+def recording(self, patches):
+    patches = list(patches)
+    for owner, name, replacement in patches:
+        note(owner, name, replacement, vars(owner).get(name, _patches.MISSING))
+    return install(self, patches)
+
+_patches.Patches.install = recording
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(params=model.parameters(), lr=0.1)  # (capture distributes it here)
+model(torch.ones(2, 4)).mean().backward()
+opt.step()
+print(model[0].weight.sum().item())  # (FSDP: a whole read)
+with autoddp.rank0():
+    pass
+torch.save(obj=model.state_dict(), f=sys.argv[1] + ".pt")
+if sys.argv[2] == "ddp":  # the user's own DDP, by keyword (Lightning's strategy writes it so)
+    own = torch.nn.parallel.DistributedDataParallel(module=torch.nn.Linear(2, 1), device_ids=None)
+    own(torch.ones(2, 2)).mean().backward()
+_patches.Patches.install = install
+faults = []
+for label, entries in seen.items():
+    for owner, name, replacement, before in entries:
+        faults += signature_faults(owner, name, replacement, defining_value(owner, name, before))
+for dotted in names.REPLACED_FOR_THE_PROCESS:  # replaced outside the engine, for the process's life
+    path, name = dotted.rsplit(".", 1)
+    owner = eval(path)
+    value = vars(owner).get(name)
+    if getattr(value, "__wrapped__", None) is not None:
+        faults += signature_faults(owner, name, value, value.__wrapped__)
+    elif "autoddp" in getattr(getattr(value, "__code__", None), "co_filename", ""):
+        faults.append(f"{{dotted}}: autoddp's replacement keeps no __wrapped__ (its original)")
+    seen.setdefault(dotted, [])
+patched = sorted(_patches.label(o, n) for o, n, _ in _patches.ever_patched())
+report = dict(faults=faults, checked=sorted(seen), unseen=sorted(set(patched) - set(seen)))
+with open(f"{{sys.argv[1]}}{{os.environ['RANK']}}.json", "w") as file:
+    json.dump(report, file)
+"""
+
+
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=needs_fsdp)])
+def test_every_wrapper_takes_the_call_as_the_original_does(tmp_path, strategy):
+    script = write(tmp_path / "signatures.py", SIGNATURES.format(tests=os.path.dirname(__file__)))
+    out = tmp_path / "report"
+    run = run_python(
+        ["-m", "autoddp.cli", "-n", "2", "--strategy", strategy, str(script), str(out), strategy]
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"report{rank}.json").read_text())
+        assert report["faults"] == [], "\n".join(report["faults"])
+        assert report["unseen"] == [], f"patched, yet not checked here: {report['unseen']}"
+        checked = set(report["checked"])
+        assert {
+            "torch.nn.parallel.distributed.DistributedDataParallel.__init__",  # marks, capture, kept groups
+            "torch.optim.optimizer.Optimizer.__init__",
+            "torch.save",
+            "torch.distributed.all_reduce",
+            "torch.utils.data.dataloader.DataLoader.__iter__",
+            "torch.nn.Module._apply",  # replaced for the process's life
+        } <= checked
+        assert ("autoddp.barrier" in checked) == (rank == 0)  # rank0()'s refusals, on rank 0
+        if strategy == "fsdp":
+            assert any(label.endswith("DTensor.tolist") for label in checked)
+
+
+@pytest.mark.unit
+def test_device_habit_wrappers_take_the_call_as_the_original_does():
+    # (installed only with GPUs: here as on a machine with one, touching no GPU)
+    from autoddp.capture.devices import Devices
+    from autoddp.state import World
+
+    devices = Devices(World(world_size=2, local_world_size=2), lambda: None)
+    devices.own = 0
+    devices.install()
+    try:
+        faults = [
+            fault
+            for owner, name, replacement, before in _patches.replacements()
+            for fault in signature_faults(owner, name, replacement, defining_value(owner, name, before))
+        ]
+        assert len(_patches.replacements()) > 15
+    finally:
+        devices.uninstall()
+    assert faults == [], "\n".join(faults)

@@ -323,14 +323,13 @@ def watch_parameter_changes(changed: Any) -> None:
         return set_and_say
 
     def after(method: Any) -> Any:
+        @functools.wraps(method)  # (its __wrapped__: the original, for tests/test_patches.py)
         def call_and_say(*args: Any, **kwargs: Any) -> Any:
             try:
                 return method(*args, **kwargs)
             finally:
                 changed()
 
-        call_and_say.__name__ = call_and_say.__qualname__ = method.__name__
-        call_and_say.__doc__ = method.__doc__
         return call_and_say
 
     for name, descriptor in descriptors.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
@@ -32,6 +33,7 @@ def quiet_gloo_connections(hold_lines: Callable[[re.Pattern[bytes]], ContextMana
     if getattr(make, "_autoddp_quiet", False):
         return
 
+    @functools.wraps(make)
     def quietly(*args: Any, **kwargs: Any) -> Any:
         with hold_lines(GLOO_LINE):
             return make(*args, **kwargs)

@@ -144,13 +144,13 @@ class Devices:
         return call
 
     def _to_empty(self, original: Any) -> Any:
-        def to_empty(module: torch.nn.Module, *, device: Any, recurse: bool = True) -> Any:
+        def to_empty(module: torch.nn.Module, /, *, device: Any, recurse: bool = True) -> Any:
             return original(module, device=self.device(device), recurse=recurse)
 
         return to_empty
 
     def _device_context(self, original: Any) -> Any:
-        def __init__(context: Any, device: Any) -> None:
+        def __init__(context: Any, /, device: Any) -> None:
             original(context, self.device(device))
 
         return __init__
@@ -158,7 +158,7 @@ class Devices:
     def _tensor_to(self, original: Any) -> Any:
         remap = self.device
 
-        def to(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        def to(tensor: torch.Tensor, /, *args: Any, **kwargs: Any) -> Any:
             if args and type(args[0]) is not torch.dtype and not isinstance(args[0], torch.Tensor):
                 args = (remap(args[0]), *args[1:])
             if "device" in kwargs:
@@ -170,10 +170,12 @@ class Devices:
     def _tensor_cuda(self, original: Any) -> Any:
         remap = self.device
 
-        def cuda(tensor: torch.Tensor, device: Any = None, *args: Any, **kwargs: Any) -> Any:
-            if "device" in kwargs:
-                device = kwargs.pop("device")
-            return original(tensor, remap(device), *args, **kwargs)
+        def cuda(tensor: torch.Tensor, /, *args: Any, **kwargs: Any) -> Any:
+            if args:  # (Tensor.cuda is a builtin without a signature: its device comes first)
+                args = (remap(args[0]), *args[1:])
+            elif "device" in kwargs:
+                kwargs["device"] = remap(kwargs["device"])
+            return original(tensor, *args, **kwargs)
 
         return cuda
 
@@ -189,7 +191,7 @@ class Devices:
 
     def _data_parallel(self, original: Any) -> Any:
         def __init__(
-            parallel: Any, module: Any, device_ids: Any = None, output_device: Any = None, dim: int = 0
+            parallel: Any, /, module: Any, device_ids: Any = None, output_device: Any = None, dim: int = 0
         ) -> None:
             own = self.own
             site = user_site(sys._getframe(1), made=parallel)

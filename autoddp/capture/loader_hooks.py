@@ -202,7 +202,7 @@ class Loaders:
         self._patches.restore()
 
     def _loader_init(self, original: Any) -> Any:
-        def __init__(loader: DataLoader, *args: Any, **kwargs: Any) -> None:
+        def __init__(loader: DataLoader, /, *args: Any, **kwargs: Any) -> None:
             if not self.session.busy:  # the notice names the line that made it, not where it is iterated
                 loader.__dict__.setdefault(_SITE, user_site(sys._getframe(1), made=loader))
             original(loader, *args, **kwargs)
@@ -210,7 +210,7 @@ class Loaders:
         return __init__
 
     def _loader_iter(self, original: Any) -> Any:
-        def __iter__(loader: DataLoader) -> Any:
+        def __iter__(loader: DataLoader, /) -> Any:
             session = self.session
             if session.busy:
                 return original(loader)
@@ -227,7 +227,7 @@ class Loaders:
         return __iter__
 
     def _loader_len(self, original: Any) -> Any:
-        def __len__(loader: DataLoader) -> int:
+        def __len__(loader: DataLoader, /) -> int:
             # Before the first pass (a scheduler's steps per epoch) as a pass beginning now would be;
             # after one, the length of the order in place (``total / len(loader)`` after the loop).
             if self.session.busy:

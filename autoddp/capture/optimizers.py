@@ -45,7 +45,7 @@ class Optimizers:
         self._patches.restore()
 
     def _optimizer_init(self, original: Any) -> Any:
-        def __init__(optimizer: Any, params: Any, *args: Any, **kwargs: Any) -> None:
+        def __init__(optimizer: Any, /, params: Any, *args: Any, **kwargs: Any) -> None:
             if self.session.busy:
                 original(optimizer, params, *args, **kwargs)
                 return
@@ -62,7 +62,7 @@ class Optimizers:
         return __init__
 
     def _add_param_group(self, original: Any) -> Any:
-        def add_param_group(optimizer: Any, param_group: Any) -> None:
+        def add_param_group(optimizer: Any, /, param_group: Any) -> None:
             busy = self.session.busy
             if busy or id(optimizer) in self._constructing or not isinstance(param_group, dict):
                 original(optimizer, param_group)

@@ -84,11 +84,12 @@ class Steps:
             session.undistributed.before_step(session.notice, caller_site())
 
     def _ddp_init(self, original: Any) -> Any:
-        def __init__(ddp: Any, module: Any, *args: Any, **kwargs: Any) -> None:
-            if not self.session.busy:
+        def __init__(ddp: Any, /, *args: Any, **kwargs: Any) -> None:
+            module = args[0] if args else kwargs.get("module")  # (Lightning passes module=)
+            if not self.session.busy and module is not None:
                 inner = models.unwrap(module)
                 if models.ddp_in_charge(inner):
                     models.release(inner)  # the user's own DDP takes over: never two
-            original(ddp, module, *args, **kwargs)
+            original(ddp, *args, **kwargs)
 
         return __init__

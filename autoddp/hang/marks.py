@@ -225,7 +225,7 @@ class Marks:
         marks = self
 
         @functools.wraps(original)
-        def __init__(ddp: Any, *args: Any, **kwargs: Any) -> None:
+        def __init__(ddp: Any, /, *args: Any, **kwargs: Any) -> None:
             original(ddp, *args, **kwargs)
             if marks.map is not None and not marks.flags & record.HAS_DDP:
                 marks.flags |= record.HAS_DDP  # written with the next entry or exit

@@ -39,13 +39,13 @@ def _reading(name: str) -> Callable[..., Any]:
     plain = getattr(torch.Tensor, name)
 
     @functools.wraps(plain)
-    def read(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def read(self: Any, /, *args: Any, **kwargs: Any) -> Any:
         return plain(_full(self), *args, **kwargs)
 
     return read
 
 
-def _repr(self: Any, *args: Any, **kwargs: Any) -> str:
+def _repr(self: Any, /, *args: Any, **kwargs: Any) -> str:
     full = _full(self).requires_grad_(self.requires_grad)  # (a new leaf: shown as one process shows it)
     text = torch.Tensor.__repr__(full, *args, **kwargs)
     return f"Parameter containing:\n{text}" if isinstance(self, torch.nn.Parameter) else text

@@ -39,9 +39,9 @@ class KeptGroups:
         original = ddp.__init__
 
         @functools.wraps(original)
-        def init(module: Any, *args: Any, **kwargs: Any) -> None:
-            original(module, *args, **kwargs)
-            group = getattr(module, "process_group", None)
+        def init(ddp: Any, /, *args: Any, **kwargs: Any) -> None:
+            original(ddp, *args, **kwargs)
+            group = getattr(ddp, "process_group", None)
             if group is not None and not any(group is kept for kept in self._groups):
                 self._groups.append(group)
                 self._backends += _compat.backends_to_outlive(group)
