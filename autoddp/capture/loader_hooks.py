@@ -24,7 +24,13 @@ from autoddp import _compat, _patches
 from autoddp.capture._notice import where
 from autoddp.capture._registry import user_site
 from autoddp.data import split
-from autoddp.data.loaders import distributed_sampler, shard_loader, user_seed, wrapped_batches
+from autoddp.data.loaders import (
+    distributed_sampler,
+    shard_loader,
+    sharded_by_rank,
+    user_seed,
+    wrapped_batches,
+)
 from autoddp.state import CURRENT, World
 
 #: Where the user's code made a DataLoader (kept in its ``__dict__``, for the notice).
@@ -35,8 +41,8 @@ def kind(loader: DataLoader) -> str:
     """``"random"`` (shard it), ``"ordered"``, ``"iterable"`` or ``"distributed"`` (leave it whole)."""
     if isinstance(loader.dataset, IterableDataset):
         return "iterable"
-    if distributed_sampler(loader) is not None:
-        return "distributed"
+    if distributed_sampler(loader) is not None or sharded_by_rank(loader) is not None:
+        return "distributed"  # (a framework's own share by rank too: accelerate's BatchSamplerShard)
     batch_sampler = loader.batch_sampler
     wrapped = wrapped_batches(loader)  # a subclass's wrapper around DataLoader's own BatchSampler
     if wrapped is not None:

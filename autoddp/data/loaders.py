@@ -253,6 +253,32 @@ def distributed_sampler(loader: DataLoader) -> DistributedSampler | None:
     return None
 
 
+#: (count of processes, this process's index): the attributes by which a sampler of another
+#: library says that it gives each process its own share already (accelerate's BatchSamplerShard:
+#: num_processes, process_index; DistributedSampler's kin: num_replicas, rank).
+RANK_ATTRIBUTES = (("num_processes", "process_index"), ("num_replicas", "rank"), ("world_size", "rank"))
+
+
+def sharded_by_rank(loader: DataLoader) -> Any | None:
+    """The sampler in ``loader``'s chain (its batch sampler, its sampler and those they wrap, a few
+    levels deep) that already shares the data out among several processes by rank, if one does:
+    a framework's own (``accelerate``'s ``prepare``) is left as it is, never sharded twice."""
+    todo, seen = [loader.batch_sampler, loader.sampler], set()
+    for _ in range(12):
+        if not todo:
+            break
+        found = todo.pop(0)
+        if found is None or id(found) in seen:
+            continue
+        seen.add(id(found))
+        for count, index in RANK_ATTRIBUTES:
+            number, position = getattr(found, count, None), getattr(found, index, None)
+            if type(number) is int and type(position) is int and number > 1 and 0 <= position < number:
+                return found
+        todo += [getattr(found, "batch_sampler", None), getattr(found, "sampler", None)]
+    return None
+
+
 def _distribute(sampler: Any, world: World, seed: int) -> DistributedSampler:
     """The distributed counterpart of ``sampler`` for this rank."""
     if type(sampler) is SequentialSampler:
