@@ -127,7 +127,8 @@ TRAINING, EVALUATING, UNTRAINED = "training", "evaluating", "untrained"
 def pass_kind(models: list[torch.nn.Module]) -> str:
     """``EVALUATING`` with gradients off or every distributed model in ``eval()``; ``UNTRAINED``
     while no model is distributed (no optimizer over one yet: the data's statistics, a zero-shot
-    evaluation); ``TRAINING`` otherwise. ``models``: the models distributed in this world."""
+    evaluation); ``TRAINING`` otherwise. ``models``: the models distributed in this world (and
+    the user's own DDP models: a framework's, Lightning's)."""
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
         return EVALUATING
     if not models:
@@ -207,6 +208,10 @@ class Loaders:
     def uninstall(self) -> None:
         self._patches.restore()
 
+    def _trained(self) -> list[torch.nn.Module]:
+        """The models a pass may train: those autoddp distributed, and the user's own DDP models."""
+        return [*CURRENT.wrapped_models(), *self.session.steps.own_ddp]
+
     def _loader_init(self, original: Any) -> Any:
         def __init__(loader: DataLoader, /, *args: Any, **kwargs: Any) -> None:
             if not self.session.busy:  # the notice names the line that made it, not where it is iterated
@@ -238,7 +243,7 @@ class Loaders:
             # after one, the length of the order in place (``total / len(loader)`` after the loop).
             if self.session.busy:
                 return original(loader)
-            kind = pass_kind(CURRENT.wrapped_models())
+            kind = pass_kind(self._trained())
             if not loader.__dict__.get("_autoddp_seen"):
                 loader.__dict__["_autoddp_seen"] = True
                 self._shard(loader, loader.__dict__.get(_SITE) or user_site(sys._getframe(1)), kind)
@@ -255,7 +260,7 @@ class Loaders:
 
         True when the pass gets all of a random loader while gradients are on.
         """
-        kind = pass_kind(CURRENT.wrapped_models())
+        kind = pass_kind(self._trained())
         if not loader.__dict__.get("_autoddp_seen"):
             loader.__dict__["_autoddp_seen"] = True
             self._shard(loader, site, kind)

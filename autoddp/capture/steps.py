@@ -3,12 +3,14 @@
 The first ``backward()`` checks the loss and, with no optimizer made yet, which models it trains
 by hand; each ``backward()`` and ``grad()`` is counted (``models.counted``); a step says what could
 not be distributed (``_undistributed``); a user's own ``DistributedDataParallel`` takes over from
-autoddp's, so that a model is never wrapped twice.
+autoddp's, so that a model is never wrapped twice, and counts as a model in training for the
+passes of the loaders (a framework's: Lightning's strategy wraps the module it trains itself).
 """
 
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -28,6 +30,7 @@ class Steps:
         self.session = session
         self._patches = _patches.Patches()
         self._handles: list[Any] = []
+        self.own_ddp: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # the user's own DDP models
 
     def install(self) -> None:
         patches = [
@@ -91,5 +94,7 @@ class Steps:
                 if models.ddp_in_charge(inner):
                     models.release(inner)  # the user's own DDP takes over: never two
             original(ddp, *args, **kwargs)
+            if not self.session.busy:
+                self.own_ddp.add(ddp)
 
         return __init__
