@@ -1,4 +1,4 @@
-"""Every place a collective can be reached by name, so that ``rank0()`` refuses it and the hang report marks it.
+"""Every place a collective can be reached by name: ``rank0()`` refuses it there, the hang report marks it.
 
 Two families issue collectives from Python. torch.distributed's functions (``COLLECTIVES``, FSDP2's
 ``all_gather_single``/``reduce_scatter_single`` among them) and the functional collectives of
@@ -92,7 +92,7 @@ def sites(*, functional_too: bool = True) -> list[tuple[ModuleType, str, str, bo
             continue
         for attribute, value in list(vars(module).items()):
             hit = known.get(id(value))  # (ids of live functions: no other object has one)
-            if hit is None and isinstance(value, FunctionType) and "__wrapped__" in vars(value):
+            if hit is None and type(value) is FunctionType and "__wrapped__" in vars(value):
                 # (bound to a wrapper of one while it stood in its module: imported meanwhile)
                 hit = next((known[id(v)] for v in _originals(value) if id(v) in known), None)
             if hit is not None and (id(module), attribute) not in seen:
