@@ -225,7 +225,7 @@ class Marks:
         return marked
 
     def _functional_wait(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        """The functional collectives' ``wait_tensor``, marked as the last one issued (a rank blocks there)."""
+        """The functional collectives' ``wait_tensor``, marked as the last one issued (blocks there)."""
         marks, get_ident, compiling = self, threading.get_ident, torch.compiler.is_compiling
 
         @functools.wraps(original)
