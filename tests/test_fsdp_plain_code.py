@@ -66,15 +66,17 @@ def reads_and_copies() -> dict:
 
 
 def penalties_and_writes() -> dict:
-    """A weight penalty added to the loss, and weights written from plain tensors."""
+    """A weight penalty added to the loss, gradients clipped, and weights written from plain tensors."""
     model, opt, x = _trained()
     with torch.no_grad():
         model[0].weight.copy_(torch.arange(12.0).reshape(3, 4) / 10)
         model[0].bias.add_(torch.ones(3))
+    norms = []
     for _ in range(2):
         penalty = sum(p.pow(2).sum() for p in model.parameters()) + model[0].weight.flatten().abs().sum()
         loss = model(x).pow(2).mean() + 0.01 * penalty
         loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
         opt.step()
         opt.zero_grad()
     weights = [p.tolist() for p in model.parameters()]
@@ -83,7 +85,7 @@ def penalties_and_writes() -> dict:
         written = "written"
     except RuntimeError:
         written = "refused"
-    return {"weights": weights, "view_write": written}
+    return {"weights": weights, "norms": norms, "view_write": written}
 
 
 def _flat(value) -> list:
@@ -109,6 +111,7 @@ def test_reads_iteration_comparisons_and_ema_copies_of_sharded_weights_are_one_p
 def test_a_weight_penalty_and_writes_from_plain_tensors_train_as_one_process():
     one, two = penalties_and_writes(), _sharded_writes()
     assert _flat(two["weights"]) == pytest.approx(_flat(one["weights"]), abs=1e-6)
+    assert two["norms"] == pytest.approx(one["norms"], abs=1e-6)
     assert one["view_write"] == "written"
     # A write through a view of a gathered copy would be lost: it raises instead.
     assert two["view_write"] == "refused"

@@ -35,8 +35,21 @@ EXITS = (
     *("item", "tolist", "numpy", "__float__", "__int__", "__index__", "__complex__", "__bool__"),
     "__format__",
 )
-#: The whole reads, while installed (DTensor's own methods come back with ``uninstall``).
-_READS = _patches.Patches()
+
+
+class _Installed:
+    """The whole reads while installed (DTensor's own methods come back with ``uninstall``), and
+    DTensor's own ``__torch_function__`` put back for the length of each optimizer step (its
+    operations on the shards all run: a Python call each would only cost)."""
+
+    def __init__(self) -> None:
+        self.reads = _patches.Patches()
+        self.step = _patches.Patches()
+        self.own: Any = None
+        self.hooks: list[Any] = []
+
+
+_READS = _Installed()
 
 
 def _full(tensor: Any) -> torch.Tensor:
@@ -168,19 +181,39 @@ def _on_full_tensors(func: Any, args: Any, kwargs: dict) -> Any:
 def install() -> None:
     """Read DTensors whole from now on (idempotent)."""
     from torch.distributed.tensor import DTensor
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-    if _READS.installed:
+    if _READS.reads.installed:
         return
-    own = vars(DTensor)["__torch_function__"]
-    _READS.install(
+    _READS.own = vars(DTensor)["__torch_function__"]
+    _READS.reads.install(
         [
             *((DTensor, name, _reading(name)) for name in EXITS),
             (DTensor, "__repr__", _repr),
-            (DTensor, "__torch_function__", _as_one_process(own)),
+            (DTensor, "__torch_function__", _as_one_process(_READS.own)),
         ]
     )
+    _READS.hooks = [
+        register_optimizer_step_pre_hook(_step_begins),
+        register_optimizer_step_post_hook(_step_ends),
+    ]
+
+
+def _step_begins(optimizer: Any, args: Any, kwargs: Any) -> None:
+    from torch.distributed.tensor import DTensor
+
+    if _READS.reads.installed and not _READS.step.installed:
+        _READS.step.install([(DTensor, "__torch_function__", _READS.own)])
+
+
+def _step_ends(optimizer: Any, args: Any, kwargs: Any) -> None:
+    _READS.step.restore()
 
 
 def uninstall() -> None:
     """Give DTensor its own reads back (idempotent)."""
-    _READS.restore()
+    for hook in _READS.hooks:
+        hook.remove()
+    _READS.hooks = []
+    _READS.step.restore()
+    _READS.reads.restore()
