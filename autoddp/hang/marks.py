@@ -1,9 +1,12 @@
 """The worker's side of the hang report: say in the record what this rank waits in, and since when.
 
 While the user's code runs in a worker that an autoddp launcher watches (``AUTODDP_HANG_FOLDER``
-set, a world of several processes), ``marking`` replaces torch.distributed's collectives (in the
-namespaces of ``torch.distributed`` and ``distributed_c10d``, as ``rank0()``'s refusals do) and
-``torch.autograd.backward`` with thin wrappers. On entry a wrapper writes "in all_reduce since t"
+set, a world of several processes), ``marking`` replaces torch.distributed's collectives and the
+functional ones DTensor (so FSDP2's state dicts and whole reads) gathers through, wherever a loaded
+``torch.distributed`` module binds them (``_compat.collectives.sites``, as ``rank0()``'s refusals
+do), and ``torch.autograd.backward`` with thin wrappers. A functional collective returns at once
+and waits in ``wait_tensor``: that wait is marked under the name of the last one issued.
+On entry a wrapper writes "in all_reduce since t"
 into the record (a memory write into a mapped file), on exit "outside since t": about a
 microsecond per call, on the collectives only. DDP's gradient all-reduce runs in C++ inside
 ``backward()``; the backward wrapper marks it once a DistributedDataParallel exists in the
