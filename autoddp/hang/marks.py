@@ -2,19 +2,19 @@
 
 While the user's code runs in a worker that an autoddp launcher watches (``AUTODDP_HANG_FOLDER``
 set, a world of several processes), ``marking`` replaces torch.distributed's collectives and the
-functional ones DTensor (so FSDP2's state dicts and whole reads) gathers through, wherever a loaded
-``torch.distributed`` module binds them (``_compat.collectives.sites``, as ``rank0()``'s refusals
-do), and ``torch.autograd.backward`` with thin wrappers. A functional collective returns at once
-and waits in ``wait_tensor``: that wait is marked under the name of the last one issued.
-On entry a wrapper writes "in all_reduce since t"
-into the record (a memory write into a mapped file), on exit "outside since t": about a
-microsecond per call, on the collectives only. DDP's gradient all-reduce runs in C++ inside
-``backward()``; the backward wrapper marks it once a DistributedDataParallel exists in the
-process. A call that returns before its collective completes (a work object; on CUDA tensors,
-NCCL's queued collectives and DDP's backward) leaves a token to ``pending``, whose thread keeps
-"in all_reduce since t" in the record until the collective completes. ``rank0()`` marks its
-blocks itself (``mark``/``unmark``). Only the thread that runs the user's code is marked; code
-being traced by ``torch.compile`` and forked children pass through.
+functional ones DTensor (so FSDP2's state dicts and whole reads) gathers through, wherever a
+loaded ``torch.distributed`` module binds them (``_compat.collectives.sites``, as ``rank0()``'s
+refusals do), and ``torch.autograd.backward`` with thin wrappers. A functional collective returns
+at once and waits in ``wait_tensor``: that wait is marked under the name of the last one issued.
+On entry a wrapper writes "in all_reduce since t" into the record (a memory write into a mapped
+file), on exit "outside since t": about a microsecond per call, on the collectives only. DDP's
+gradient all-reduce runs in C++ inside ``backward()``; the backward wrapper marks it once a
+DistributedDataParallel exists in the process. A call that returns before its collective completes
+(a work object; on CUDA tensors, NCCL's queued collectives and DDP's backward) leaves a token to
+``pending``, whose thread keeps "in all_reduce since t" in the record until the collective
+completes. ``rank0()`` marks its blocks itself (``mark``/``unmark``). Only the thread that runs
+the user's code is marked; code being traced by ``torch.compile`` and forked children pass
+through.
 
 The worker also answers ``record.DUMP_SIGNAL`` with its Python stacks (faulthandler, in C, so
 it answers while it blocks in C++ or holds the GIL), written to its dump file for the launcher.
