@@ -12,6 +12,7 @@ import json
 import os
 import pathlib
 import re
+import sys
 
 import pytest
 import torch
@@ -634,3 +635,26 @@ def test_what_is_replaced_for_the_life_of_the_process_is_the_listed():
     if not low <= _compat.releases.release() < high:
         expected.discard("torch.distributed.distributed_c10d._new_process_group_helper")
     assert set(json.loads(done.stdout)) == expected
+
+
+@pytest.mark.unit
+def test_every_binding_of_a_collective_is_a_site_and_dtensor_gathers_through_functional_ones():
+    """``collectives.sites``: the functional collectives DTensor's full_tensor uses exist here, and a
+    collective bound under a module of its own (DTensor's helpers import broadcast) is found."""
+    import torch.distributed.tensor  # noqa: F401 (binds some collectives in its own modules)
+
+    from autoddp._compat import collectives
+
+    funcol = collectives.functional()
+    assert callable(vars(funcol)[collectives.FUNCTIONAL_WAIT])
+    sites = collectives.sites()
+    functional = {name for module, _, name, is_functional in sites if is_functional and module is funcol}
+    assert {"all_gather_tensor", "all_reduce", "reduce_scatter_tensor"} <= functional
+    found = {(id(module), attribute) for module, attribute, _, _ in sites}
+    c10d = dist.distributed_c10d
+    originals = {id(getattr(c10d, name)) for name in _compat.COLLECTIVES if hasattr(c10d, name)}
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torch.distributed") and module is not None:
+            for attribute, value in vars(module).items():
+                if id(value) in originals:
+                    assert (id(module), attribute) in found, f"{name}.{attribute}"

@@ -16,6 +16,8 @@ PRIVATE = {
     "torch.utils._device": "DeviceContext: the device set_default_device and `with torch.device()` make",
     "torch.distributed._tensor": "DTensor's module before torch 2.5",
     "torch.distributed._broadcast_coalesced": "DDP's buffer broadcast, refused inside rank0() bodies",
+    "torch.distributed._functional_collectives": "DTensor's (so FSDP2's state dicts') collectives: refused "
+    "inside rank0() bodies, marked for the hang report",
     "torch.distributed.distributed_c10d._get_default_store": "the group's key-value store",
     "torch.distributed.distributed_c10d._get_default_group": "the default group, to count its collectives",
     "torch.distributed.distributed_c10d._new_process_group_helper": "every group torch makes (gloo's lines)",

@@ -1,17 +1,20 @@
 """The worker's side of the hang report: say in the record what this rank waits in, and since when.
 
 While the user's code runs in a worker that an autoddp launcher watches (``AUTODDP_HANG_FOLDER``
-set, a world of several processes), ``marking`` replaces torch.distributed's collectives (in the
-namespaces of ``torch.distributed`` and ``distributed_c10d``, as ``rank0()``'s refusals do) and
-``torch.autograd.backward`` with thin wrappers. On entry a wrapper writes "in all_reduce since t"
-into the record (a memory write into a mapped file), on exit "outside since t": about a
-microsecond per call, on the collectives only. DDP's gradient all-reduce runs in C++ inside
-``backward()``; the backward wrapper marks it once a DistributedDataParallel exists in the
-process. A call that returns before its collective completes (a work object; on CUDA tensors,
-NCCL's queued collectives and DDP's backward) leaves a token to ``pending``, whose thread keeps
-"in all_reduce since t" in the record until the collective completes. ``rank0()`` marks its
-blocks itself (``mark``/``unmark``). Only the thread that runs the user's code is marked; code
-being traced by ``torch.compile`` and forked children pass through.
+set, a world of several processes), ``marking`` replaces torch.distributed's collectives and the
+functional ones DTensor (so FSDP2's state dicts and whole reads) gathers through, wherever a
+loaded ``torch.distributed`` module binds them (``_compat.collectives.sites``, as ``rank0()``'s
+refusals do), and ``torch.autograd.backward`` with thin wrappers. A functional collective returns
+at once and waits in ``wait_tensor``: that wait is marked under the name of the last one issued.
+On entry a wrapper writes "in all_reduce since t" into the record (a memory write into a mapped
+file), on exit "outside since t": about a microsecond per call, on the collectives only. DDP's
+gradient all-reduce runs in C++ inside ``backward()``; the backward wrapper marks it once a
+DistributedDataParallel exists in the process. A call that returns before its collective completes
+(a work object; on CUDA tensors, NCCL's queued collectives and DDP's backward) leaves a token to
+``pending``, whose thread keeps "in all_reduce since t" in the record until the collective
+completes. ``rank0()`` marks its blocks itself (``mark``/``unmark``). Only the thread that runs
+the user's code is marked; code being traced by ``torch.compile`` and forked children pass
+through.
 
 The worker also answers ``record.DUMP_SIGNAL`` with its Python stacks (faulthandler, in C, so
 it answers while it blocks in C++ or holds the GIL), written to its dump file for the launcher.
@@ -34,10 +37,13 @@ import torch
 import torch.distributed as dist
 
 from autoddp import _compat, _patches, _variables
+from autoddp._compat import collectives
 from autoddp.hang import pending, record
 from autoddp.state import World
 
 _BACKWARD = record.NAMES.index("backward")
+#: Marked beside the collectives: they wait for every rank too.
+_OTHERS = ("init_process_group", "new_group")
 _AT = record.STATE_OFFSET
 
 
@@ -57,6 +63,7 @@ class Marks:
         self.wrappers: dict[int, tuple[Any, Any]] = {}  # id(original) -> (original, its wrapper)
         self.forks_watched = False
         self.pending = pending.Pending()
+        self.functional = -1  # the last functional collective issued (its wait is shown as it)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -101,6 +108,7 @@ class Marks:
         if self.writer is not None and self.map is not None:
             self.writer.close()
         self.thread, self.kind, self.map, self.writer, self.dump = -1, record.OUTSIDE, None, None, None
+        self.functional = -1
 
     def _forked(self) -> None:
         """In a child forked while installed (a DataLoader worker): mark nothing, write nothing."""
@@ -116,12 +124,28 @@ class Marks:
         """
         _compat.ddp_buffer_broadcast()  # checks that DDP's broadcast is where autoddp expects it
         patches = []
+        ours = {id(wrapper) for _, wrapper in self.wrappers.values()}
+        for module, attribute, name, functional in collectives.sites():
+            original = vars(module)[attribute]
+            if id(original) in ours:  # bound to our wrapper (imported while marks stood): it marks already
+                continue
+            marked = functools.partial(self._collective, record.NAMES.index(name), functional=functional)
+            patches.append(self._wrapper(module, attribute, original, marked))
         for module in (dist, dist.distributed_c10d):
-            for index, name in enumerate(record.NAMES):
+            for name in (*_OTHERS, _compat.DDP_BUFFER_BROADCAST):
                 original = vars(module).get(name)
-                if original is not None and index != _BACKWARD:
-                    marked = functools.partial(self._collective, index)
-                    patches.append(self._wrapper(module, name, original, marked))
+                if original is not None:
+                    patches.append(
+                        self._wrapper(
+                            module,
+                            name,
+                            original,
+                            functools.partial(self._collective, record.NAMES.index(name)),
+                        )
+                    )
+        funcol = collectives.functional()
+        wait = vars(funcol)[collectives.FUNCTIONAL_WAIT]
+        patches.append(self._wrapper(funcol, collectives.FUNCTIONAL_WAIT, wait, self._functional_wait))
         patches.append(self._wrapper(torch.autograd, "backward", torch.autograd.backward, self._backward))
         ddp = torch.nn.parallel.DistributedDataParallel
         patches.append(self._wrapper(ddp, "__init__", ddp.__init__, self._ddp_init))
@@ -169,7 +193,9 @@ class Marks:
 
     # --- the wrappers -------------------------------------------------------------------------
 
-    def _collective(self, index: int, original: Callable[..., Any]) -> Callable[..., Any]:
+    def _collective(
+        self, index: int, original: Callable[..., Any], functional: bool = False
+    ) -> Callable[..., Any]:
         marks, get_ident, compiling, waits = (
             self,
             threading.get_ident,
@@ -184,10 +210,14 @@ class Marks:
                 return original(*args, **kwargs)
             marks._write(record.COLLECTIVE, index)
             since = marks.since
+            if functional:  # it returns at once: its wait (``_functional_wait``) is shown under its name
+                marks.functional = index
             try:
                 result = original(*args, **kwargs)
             finally:
                 marks._write(record.OUTSIDE, 0)
+            if functional:
+                return result
             # Returned before completing? A work object (async_op=True); on CUDA, NCCL's queue.
             if result is not None:
                 waits.work(index, since, result)
@@ -196,6 +226,22 @@ class Marks:
             return result
 
         return marked
+
+    def _functional_wait(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """The functional collectives' ``wait_tensor``, marked as the last one issued (blocks there)."""
+        marks, get_ident, compiling = self, threading.get_ident, torch.compiler.is_compiling
+
+        @functools.wraps(original)
+        def wait_tensor(*args: Any, **kwargs: Any) -> Any:
+            if compiling() or marks.kind or get_ident() != marks.thread or marks.functional < 0:
+                return original(*args, **kwargs)
+            marks._write(record.COLLECTIVE, marks.functional)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                marks._write(record.OUTSIDE, 0)
+
+        return wait_tensor
 
     def _backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
         marks, get_ident, compiling, waits = (

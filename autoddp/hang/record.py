@@ -20,6 +20,7 @@ import struct
 import threading
 
 from autoddp._compat import COLLECTIVES, DDP_BUFFER_BROADCAST
+from autoddp._compat.collectives import FUNCTIONAL_COLLECTIVES
 from autoddp._leftovers import private_folder
 
 #: ``hang_report`` when not given: seconds a rank may wait for the others before the report.
@@ -54,7 +55,14 @@ HAS_DDP = 2  # a DistributedDataParallel model exists in the worker
 ANSWERS = 4  # the worker answers DUMP_SIGNAL (never send it otherwise: by default it kills)
 
 #: What ``name`` numbers: the collectives rank0() refuses, then the others that wait for every rank.
-NAMES = (*COLLECTIVES, "init_process_group", "new_group", DDP_BUFFER_BROADCAST, "backward")
+NAMES = (
+    *COLLECTIVES,
+    *(name for name in FUNCTIONAL_COLLECTIVES if name not in COLLECTIVES),
+    "init_process_group",
+    "new_group",
+    DDP_BUFFER_BROADCAST,
+    "backward",
+)
 _SHOWN = {
     DDP_BUFFER_BROADCAST: "DDP's broadcast of rank 0's parameters and buffers",
     "backward": "DDP's gradient all-reduce in backward()",

@@ -258,12 +258,21 @@ def _is_plain(state: Mapping[str, Any]) -> bool:
 
 
 def _deepcopy(self: torch.nn.Module, memo: dict) -> Any:
-    raise ConfigurationError(
-        f"copy.deepcopy of {type(self).__name__}, sharded with strategy='fsdp', is not supported (each "
-        "rank holds only a share of it). For an EMA copy, keep a plain copy made before the model "
-        "is given to its optimizer and update it from autoddp.models.state_dict(model), or use "
-        "strategy='ddp'"
-    )
+    """A plain, whole copy of the model on every rank, as ``copy.deepcopy`` gives one process (an EMA
+    copy): gathered from the shards, so every rank makes the copy at the same point."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    skeleton = self.__dict__.get(_SKELETON)
+    if skeleton is None:
+        raise ConfigurationError(
+            f"copy.deepcopy of {type(self).__name__}, sharded with strategy='fsdp': autoddp could not "
+            "keep a plain copy of its structure to rebuild it from. Make the copy before the model is "
+            "sharded (before its optimizer is made, or autoddp.prepare), or use strategy='ddp'"
+        )
+    full = get_model_state_dict(self, options=StateDictOptions(full_state_dict=True))  # every rank
+    copied = copy.deepcopy(skeleton, memo)
+    copied.load_state_dict(full, assign=True)
+    return copied
 
 
 def _sharded_class(cls: type) -> type:
