@@ -104,6 +104,8 @@ def signature_faults(owner: Any, name: str, replacement: Any, original: Any) -> 
     where = _patches.label(owner, name)
     if not callable(replacement) or isinstance(replacement, property):
         return []  # (an attribute read or set: Parameter.data)
+    if inspect.isbuiltin(replacement):
+        return []  # (torch's own put back for a while: DTensor's handler during a step)
     method = isinstance(owner, type) and not isinstance(original, staticmethod)
     original = getattr(original, "__func__", original)  # a staticmethod's or classmethod's function
     ours = inspect.signature(replacement, follow_wrapped=False)
