@@ -162,3 +162,29 @@ def test_open_then_save_then_load_on_every_rank_is_exact(tmp_path, slow):
     assert sorted(wrong) == [["0", "0", "[]"], ["1", "0", "[]"]], ran.stdout  # failed loads before
     assert "PLAIN b'plain'" in ran.stdout
     assert sorted(os.listdir(tmp_path)) == ["last.pt", "loop.py"]  # no temporary file left
+
+
+RESUME_THEN_OPEN_SAVE_LOAD = """
+    import os, sys, time, torch
+    rank, slow = int(os.environ["RANK"]), int(sys.argv[1])
+    if rank == slow:
+        time.sleep(0.3)  # widen the race: the other rank resumes first, then opens the file
+    try:
+        start = torch.load("last.pt")  # every rank resumes from the checkpoint a run left
+    except Exception as error:
+        start = type(error).__name__
+    with open("last.pt", "wb") as f:  # (no collective since the load)
+        torch.save({"i": 1, "by": rank}, f)
+    print("RESUMED", rank, start == {"i": 0, "by": 0}, torch.load("last.pt") == {"i": 1, "by": 0}, flush=True)
+"""
+
+
+@pytest.mark.parametrize("slow", [0, 1])
+def test_resume_then_open_then_save_on_every_rank_is_exact(tmp_path, slow):
+    torch.save({"i": 0, "by": 0}, tmp_path / "last.pt")
+    script = write(tmp_path / "resume.py", RESUME_THEN_OPEN_SAVE_LOAD)
+    command = ["-m", "autoddp.cli", "-n", "2", "--ranks", "all", str(script), str(slow)]
+    ran = run_python(command, cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert _tagged(ran.stdout, "RESUMED") == [["0", "True", "True"], ["1", "True", "True"]], ran.stdout
+    assert sorted(os.listdir(tmp_path)) == ["last.pt", "resume.py"]

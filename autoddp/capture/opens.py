@@ -4,7 +4,8 @@
 rank: each rank's own ``open`` truncates the one file at once, the file that another rank is
 still reading back from the last save (or that rank 0 has just put in place for it). Capture's
 ``torch.save`` writes such a file once, by rank 0, atomically and matched across ranks
-(``saves``). So once a path is one of those files (rank 0's, saved in this session), a plain
+(``saves``). So once a path is one of those files (rank 0's, saved in this session, or one that
+``torch.load`` read with no collective since: a checkpoint resumed from, then saved), a plain
 ``open(path, "wb")`` there returns a ``PrivateFile``: a file object on a nameless file of its
 own beside the path, whose ``name`` and ``mode`` are the ones asked for. A ``torch.save`` into it
 is the save of the path (the private file stays empty and is dropped at ``close``); whatever
@@ -60,14 +61,16 @@ class PrivateFile(io.BufferedWriter):
             super().close()
 
 
-def opening(original: Callable[..., Any], session: Any, owned: set[str]) -> Callable[..., Any]:
-    """``open`` for a capture ``session``: a ``PrivateFile`` for a plain ``open(path, "wb")`` of one
-    of ``owned`` (the real paths rank 0's ``torch.save`` writes), else ``original``'s file object."""
+def opening(
+    original: Callable[..., Any], session: Any, kept: Callable[[str, str], bool]
+) -> Callable[..., Any]:
+    """``open`` for a capture ``session``: a ``PrivateFile`` for a plain ``open(path, "wb")`` of a
+    checkpoint (``kept(absolute path, real path)``), else ``original``'s file object."""
 
     def open(file: Any, mode: Any = "r", *args: Any, **kwargs: Any) -> Any:
-        if mode == "wb" and owned and not session.busy and plain(args, kwargs):
+        if mode == "wb" and not session.busy and plain(args, kwargs):
             with session.own_work():  # (its own opens are not the user's writes)
-                private = private_file(file, owned)
+                private = private_file(file, kept)
             if private is not None:
                 return private
         return original(file, mode, *args, **kwargs)
@@ -88,17 +91,17 @@ def plain(args: tuple, kwargs: dict) -> bool:
     return True
 
 
-def private_file(file: Any, owned: set[str]) -> PrivateFile | None:
-    """A ``PrivateFile`` for ``open(file, "wb")`` when ``file`` is one of ``owned`` (real paths) and a
+def private_file(file: Any, kept: Callable[[str, str], bool]) -> PrivateFile | None:
+    """A ``PrivateFile`` for ``open(file, "wb")`` when ``file`` is a checkpoint (``kept``) and a
     regular file or absent, else None (the original ``open`` runs)."""
     if not isinstance(file, (str, bytes, os.PathLike)):
         return None
     try:
         path = os.fsdecode(os.fspath(file))
-        real = os.path.realpath(path)
+        absolute, real = os.path.abspath(path), os.path.realpath(path)
     except (TypeError, ValueError):
         return None
-    if real not in owned or special(path):
+    if not kept(absolute, real) or special(path):
         return None
     try:
         fd = _nameless(os.path.dirname(real))

@@ -21,8 +21,9 @@ rank 0 further on (``rank_zero.block.waits_ahead``): no rank reads a newer file 
 save of it nor truncates the new one, and ``if rank == 0: torch.save(...)`` never deadlocks.
 ``Saves`` owns the ``torch.save`` hook (a path, or a file object just opened on one) and, from
 the session's join on, the protocol; and the ``open`` hook (``opens``): ``open(path, "wb")`` of
-a file rank 0 saves gives each rank a private file, so that no rank's ``open`` empties the file
-another rank is reading.
+a checkpoint (a file rank 0's saves write, or one ``torch.load`` read with no collective since:
+resumed from, then saved) gives each rank a private file, so that no rank's ``open`` empties the
+file another rank is reading.
 
 A path that is not a regular file (``/dev/null``, a FIFO, a device, ``/dev/stdout``) is written
 as one process writes it, in place (a file renamed over it would replace the device): by rank 0,
@@ -104,12 +105,19 @@ class Saves:
         self.session = session
         self.rank, self.world_size = 0, 0
         self.counts: dict[str, int] = {}  # per file: rank 0's saves made, another's next to match
-        self.rank0s: set[str] = set()  # the files rank 0 writes: open(path, "wb") gives a private file
+        # the checkpoints: files rank 0's saves write, or torch.load read (open(p, "wb"): a private file)
+        self.checkpoints: set[str] = set()
+        self.loaded: set[str] = set()  # absolute paths torch.load read since this rank's last collective
+        self.loaded_at = -1  # (that collective's count: a load before it is done on every rank)
         self.progress: Progress | None = None
         self._patches = _patches.Patches()
 
     def install(self) -> None:
-        patches = [_patches.wrapping(owner, "save", self._save) for owner in (torch, torch.serialization)]
+        patches = [
+            _patches.wrapping(owner, name, make)
+            for owner in (torch, torch.serialization)
+            for name, make in (("save", self._save), ("load", self._load))
+        ]
         if builtins.open is io.open:  # one function under both names, as before
             wrapped = _patches.wrapping(builtins, "open", self._opening)[2]
             patches += [(builtins, "open", wrapped), (io, "open", wrapped)]
@@ -121,7 +129,24 @@ class Saves:
         self._patches.restore()
 
     def _opening(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        return opening(original, self.session, self.rank0s)
+        return opening(original, self.session, self.kept)
+
+    def kept(self, absolute: str, real: str) -> bool:
+        """Whether ``open(path, "wb")`` of this path gives a private file: a file rank 0's saves write,
+        or one ``torch.load`` read with no collective since (a checkpoint resumed from: another rank
+        may still be reading it; past a collective, every rank's load before it is done)."""
+        return real in self.checkpoints or (absolute in self.loaded and _point() == self.loaded_at)
+
+    def _load(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def load(f: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(f, (str, os.PathLike)) and not self.session.busy:
+                point = _point()
+                if point != self.loaded_at:  # (only the loads since the last collective are kept)
+                    self.loaded, self.loaded_at = set(), point
+                self.loaded.add(os.path.abspath(os.fspath(f)))
+            return original(f, *args, **kwargs)
+
+        return load
 
     @property
     def joined(self) -> bool:
@@ -175,7 +200,7 @@ class Saves:
         if self.rank == 0:
             count = self.counts.get(target, 0)
             self.counts[target] = count + 1
-            self.rank0s.add(target)
+            self.checkpoints.add(target)
             key = f"{_PREFIX}save/{target}/{count}"
             try:
                 with MARKS.marked(record.RUNS_RANK0, where):
@@ -225,7 +250,7 @@ class Saves:
                         continue
                     if theirs == point:
                         self.counts[target] = count + 1
-                        self.rank0s.add(target)
+                        self.checkpoints.add(target)
                         if error is not None:
                             raise error
                         return RANK0_WRITES
@@ -244,7 +269,7 @@ class Saves:
                 time.sleep(_POLL_SECONDS)
         self.counts[target] = count
         if store.check([f"{_PREFIX}save/{target}/0"]):
-            self.rank0s.add(target)
+            self.checkpoints.add(target)
             return OWNED
         return PER_RANK
 
@@ -269,6 +294,11 @@ class Saves:
                 )
             if waiting:
                 time.sleep(_POLL_SECONDS)
+
+
+def _point() -> int:
+    """This rank's count of collectives issued (-1 before the group exists: none yet)."""
+    return _compat.collectives_issued() if dist.is_initialized() else -1
 
 
 def gone_past(store: Any, rank: int, point: int) -> bool:
