@@ -10,7 +10,8 @@ ran the user's code: all of them ask this module. A file is:
   lies under the standard library, a site-packages folder, or torch's or wrapt's own folder;
 - **a runner's** (its frames are below the user's code, never part of it) for autoddp's call path
   (``worker/running.py``, ``worker/process.py``, ``worker/script.py``) and ``runpy``;
-- **a pass-through** (left out of tracebacks, kept in stacks) for the hang report's marks;
+- **a pass-through** (left out of tracebacks, kept in stacks) for the hang report's marks and
+  capture's ``open`` (``capture/opens.py``);
 - **the user's** otherwise, code given as text (``<string>``, ``<stdin>``) included.
 
 This module imports nothing of autoddp (a leaf) and never imports torch or wrapt: it finds where
@@ -34,8 +35,8 @@ AUTODDP = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(__file__
 #: autoddp's call path, named once: the user's code runs below these frames.
 CALL_PATH = ("worker/running.py", "worker/process.py", "worker/script.py")
 #: autoddp's frames that only pass a call of the user's on (the hang report's marks around torch's
-#: collectives): left out of the tracebacks shown to the user.
-PASS_THROUGH = ("hang/marks.py",)
+#: collectives, capture's ``open``): left out of the tracebacks shown to the user.
+PASS_THROUGH = ("hang/marks.py", "capture/opens.py")
 #: Libraries found by their own folder (also where they are not installed in site-packages).
 _PACKAGES = ("torch", "wrapt")
 
@@ -190,7 +191,12 @@ def without_pass_through(tb: types.TracebackType | None) -> types.TracebackType 
 
 
 def _passes(tb: types.TracebackType) -> bool:
-    return os.path.realpath(tb.tb_frame.f_code.co_filename) in _PASS_FILES
+    return is_pass_through(tb.tb_frame.f_code.co_filename)
+
+
+def is_pass_through(path: str) -> bool:
+    """Whether frames of ``path`` only pass a call of the user's on (``PASS_THROUGH``)."""
+    return os.path.realpath(path) in _PASS_FILES
 
 
 def runner_line(line: str) -> bool:

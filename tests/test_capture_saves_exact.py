@@ -123,3 +123,68 @@ def test_files_every_rank_wrote_are_named_with_the_fix(tmp_path):
     # (torchvision's save_image is a library under @torch.no_grad(), as grid.txt's writer is here)
     assert named == {"train.log", "predictions.csv", "scores.npy", "grid.txt", "metrics.json"}, ran.stderr
     assert "if autoddp.rank() == 0" in ran.stderr and "autoddp.rank()}" in ran.stderr
+
+
+# --- issue 38, item 6: open(path, "wb") then torch.save(obj, f), then a load, on every rank -------
+
+OPEN_SAVE_LOAD = """
+    import os, sys, time, torch
+    rank, slow = int(os.environ["RANK"]), int(sys.argv[1])
+    wrong = []
+    for i in range(10):
+        with open("last.pt", "wb") as f:  # each rank's own open truncated the file another read
+            torch.save({"i": i, "by": rank}, f)
+        if rank == slow:
+            time.sleep(0.3)  # widen the race: the other rank goes on to its next open first
+        try:
+            back = torch.load("last.pt")
+        except Exception as error:
+            back = type(error).__name__
+        if back != {"i": i, "by": 0}:  # rank 0's object: written once, by rank 0
+            wrong.append((i, back))
+    print("WRONG", rank, len(wrong), wrong, flush=True)
+    torch.distributed.barrier()  # (a plain write is not a save: the user's own wait for the readers)
+    if rank == 0:  # a plain write to the same path is still the write one process makes
+        with open("last.pt", "wb") as f:
+            f.write(b"plain")
+        with open("last.pt", "rb") as f:
+            print("PLAIN", f.read(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("slow", [0, 1])
+def test_open_then_save_then_load_on_every_rank_is_exact(tmp_path, slow):
+    script = write(tmp_path / "loop.py", OPEN_SAVE_LOAD)
+    command = ["-m", "autoddp.cli", "-n", "2", "--ranks", "all", str(script), str(slow)]
+    ran = run_python(command, cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    wrong = [line.split("WRONG", 1)[1].split(None, 2) for line in ran.stdout.splitlines() if "WRONG" in line]
+    assert sorted(wrong) == [["0", "0", "[]"], ["1", "0", "[]"]], ran.stdout  # failed loads before
+    assert "PLAIN b'plain'" in ran.stdout
+    assert sorted(os.listdir(tmp_path)) == ["last.pt", "loop.py"]  # no temporary file left
+
+
+RESUME_THEN_OPEN_SAVE_LOAD = """
+    import os, sys, time, torch
+    rank, slow = int(os.environ["RANK"]), int(sys.argv[1])
+    if rank == slow:
+        time.sleep(0.3)  # widen the race: the other rank resumes first, then opens the file
+    try:
+        start = torch.load("last.pt")  # every rank resumes from the checkpoint a run left
+    except Exception as error:
+        start = type(error).__name__
+    with open("last.pt", "wb") as f:  # (no collective since the load)
+        torch.save({"i": 1, "by": rank}, f)
+    print("RESUMED", rank, start == {"i": 0, "by": 0}, torch.load("last.pt") == {"i": 1, "by": 0}, flush=True)
+"""
+
+
+@pytest.mark.parametrize("slow", [0, 1])
+def test_resume_then_open_then_save_on_every_rank_is_exact(tmp_path, slow):
+    torch.save({"i": 0, "by": 0}, tmp_path / "last.pt")
+    script = write(tmp_path / "resume.py", RESUME_THEN_OPEN_SAVE_LOAD)
+    command = ["-m", "autoddp.cli", "-n", "2", "--ranks", "all", str(script), str(slow)]
+    ran = run_python(command, cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert _tagged(ran.stdout, "RESUMED") == [["0", "True", "True"], ["1", "True", "True"]], ran.stdout
+    assert sorted(os.listdir(tmp_path)) == ["last.pt", "resume.py"]

@@ -20,11 +20,22 @@ pointing at its target) and renames only once every other rank has reached the m
 rank 0 further on (``rank_zero.block.waits_ahead``): no rank reads a newer file before its own
 save of it nor truncates the new one, and ``if rank == 0: torch.save(...)`` never deadlocks.
 ``Saves`` owns the ``torch.save`` hook (a path, or a file object just opened on one) and, from
-the session's join on, the protocol.
+the session's join on, the protocol; and the ``open`` hook (``opens``): ``open(path, "wb")`` of
+a checkpoint (a file rank 0's saves write, or one ``torch.load`` read with no collective since:
+resumed from, then saved) gives each rank a private file, so that no rank's ``open`` empties the
+file another rank is reading.
+
+A path that is not a regular file (``/dev/null``, a FIFO, a device, ``/dev/stdout``) is written
+as one process writes it, in place (a file renamed over it would replace the device): by rank 0,
+once; the other ranks skip it at once, with no wait and no count, as there is no file to read
+back. A FIFO with no reader blocks rank 0 as it blocks one process, marked for the hang report;
+the other ranks go on to their next collective, where the group's timeout and the report apply.
 """
 
 from __future__ import annotations
 
+import builtins
+import io
 import os
 import pickle
 import stat
@@ -37,7 +48,8 @@ import torch
 import torch.distributed as dist
 
 from autoddp import _compat, _patches, models
-from autoddp.checkpoint.files import atomic_write
+from autoddp.capture.opens import PrivateFile, opening
+from autoddp.checkpoint.files import atomic_write, special
 from autoddp.errors import Rank0Error
 from autoddp.hang import record
 from autoddp.hang.marks import MARKS
@@ -51,6 +63,7 @@ _POLL_SECONDS = 0.01
 RANK0_WRITES = "written once, by rank 0"
 OWNED = "written by rank 0 only (rank 0 saved this path before; a save rank 0 does not make writes nothing)"
 PER_RANK = "written by each rank (the paths differ)"
+IN_PLACE = "written once, by rank 0, in place (not a regular file: it stays what it is)"
 
 
 class Progress:
@@ -92,15 +105,48 @@ class Saves:
         self.session = session
         self.rank, self.world_size = 0, 0
         self.counts: dict[str, int] = {}  # per file: rank 0's saves made, another's next to match
+        # the checkpoints: files rank 0's saves write, or torch.load read (open(p, "wb"): a private file)
+        self.checkpoints: set[str] = set()
+        self.loaded: set[str] = set()  # absolute paths torch.load read since this rank's last collective
+        self.loaded_at = -1  # (that collective's count: a load before it is done on every rank)
         self.progress: Progress | None = None
         self._patches = _patches.Patches()
 
     def install(self) -> None:
-        patches = [(owner, "save", self._save) for owner in (torch, torch.serialization)]
-        self._patches.install(_patches.wrapping(owner, name, make) for owner, name, make in patches)
+        patches = [
+            _patches.wrapping(owner, name, make)
+            for owner in (torch, torch.serialization)
+            for name, make in (("save", self._save), ("load", self._load))
+        ]
+        if builtins.open is io.open:  # one function under both names, as before
+            wrapped = _patches.wrapping(builtins, "open", self._opening)[2]
+            patches += [(builtins, "open", wrapped), (io, "open", wrapped)]
+        else:
+            patches += [_patches.wrapping(owner, "open", self._opening) for owner in (builtins, io)]
+        self._patches.install(patches)
 
     def uninstall(self) -> None:
         self._patches.restore()
+
+    def _opening(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        return opening(original, self.session, self.kept)
+
+    def kept(self, absolute: str, real: str) -> bool:
+        """Whether ``open(path, "wb")`` of this path gives a private file: a file rank 0's saves write,
+        or one ``torch.load`` read with no collective since (a checkpoint resumed from: another rank
+        may still be reading it; past a collective, every rank's load before it is done)."""
+        return real in self.checkpoints or (absolute in self.loaded and _point() == self.loaded_at)
+
+    def _load(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def load(f: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(f, (str, os.PathLike)) and not self.session.busy:
+                point = _point()
+                if point != self.loaded_at:  # (only the loads since the last collective are kept)
+                    self.loaded, self.loaded_at = set(), point
+                self.loaded.add(os.path.abspath(os.fspath(f)))
+            return original(f, *args, **kwargs)
+
+        return load
 
     @property
     def joined(self) -> bool:
@@ -123,6 +169,8 @@ class Saves:
                 session.world()
                 obj = models.full_tensors(obj)  # sharded (FSDP) state: gathered whole
                 what = self.save(original, obj, path, args, kwargs, opened=None if path is f else f)
+            if isinstance(f, PrivateFile) and what in (RANK0_WRITES, OWNED):
+                f.saved = True  # the path is written: nothing of this rank's file goes there
             path = os.fspath(path)
             session.notice.say(("save", os.path.abspath(path)), f"torch.save({path!r}): {what}")
             return None
@@ -140,6 +188,11 @@ class Saves:
     ) -> str:
         """Save ``obj`` to ``path`` (a file object ``opened`` on it: see above); returns what
         happened, for the notice."""
+        if opened is None and special(path):  # a device, a FIFO: in place, once (see above)
+            if self.rank == 0:
+                with MARKS.marked(record.RUNS_RANK0, f"torch.save to {os.fspath(path)!r}"):
+                    original(obj, path, *args, **kwargs)
+            return IN_PLACE
         target = os.path.realpath(os.fspath(path))  # a symlink: its target is written
         store = _compat.default_store()
         point = _compat.collectives_issued()
@@ -147,6 +200,7 @@ class Saves:
         if self.rank == 0:
             count = self.counts.get(target, 0)
             self.counts[target] = count + 1
+            self.checkpoints.add(target)
             key = f"{_PREFIX}save/{target}/{count}"
             try:
                 with MARKS.marked(record.RUNS_RANK0, where):
@@ -196,6 +250,7 @@ class Saves:
                         continue
                     if theirs == point:
                         self.counts[target] = count + 1
+                        self.checkpoints.add(target)
                         if error is not None:
                             raise error
                         return RANK0_WRITES
@@ -213,7 +268,10 @@ class Saves:
                     )
                 time.sleep(_POLL_SECONDS)
         self.counts[target] = count
-        return OWNED if store.check([f"{_PREFIX}save/{target}/0"]) else PER_RANK
+        if store.check([f"{_PREFIX}save/{target}/0"]):
+            self.checkpoints.add(target)
+            return OWNED
+        return PER_RANK
 
     def _wait_for_others(self, store: Any, target: str, count: int, point: int, where: str) -> None:
         """Rank 0, its file complete: wait until every other rank has reached the matching save
@@ -236,6 +294,11 @@ class Saves:
                 )
             if waiting:
                 time.sleep(_POLL_SECONDS)
+
+
+def _point() -> int:
+    """This rank's count of collectives issued (-1 before the group exists: none yet)."""
+    return _compat.collectives_issued() if dist.is_initialized() else -1
 
 
 def gone_past(store: Any, rank: int, point: int) -> bool:

@@ -9,7 +9,8 @@ patches it installs and removes around that code only:
 - ``DataLoader.__iter__`` and ``__len__``: a random loader is sharded (or split) at its first
   iteration or length, an ordered one left whole; a pass that begins in an evaluation context
   gets all of a random loader (``loader_hooks``);
-- ``torch.save`` to a path: written once, by rank 0, atomically (``saves``);
+- ``torch.save`` to a path: written once, by rank 0, atomically (``saves``); ``open(path, "wb")``
+  of such a file: a private file of the rank's own, so that no rank's open empties it (``opens``);
 - ``open`` for writing (an audit hook): the files several ranks wrote are named (``shared_files``);
 - ``DistributedDataParallel.__init__``: a user's own DDP takes over from autoddp's (never two);
 - ``torch.autograd.backward`` (its first call; each, and ``grad``, counted for ``models.counted``)

@@ -105,7 +105,8 @@ def _user_site(frame: Any) -> str | None:
     opener = None
     while frame is not None:
         filename = frame.f_code.co_filename
-        if opener is None and not _frames.is_standard_library(filename):
+        passes = _frames.is_standard_library(filename) or _frames.is_pass_through(filename)  # (open)
+        if opener is None and not passes:
             opener = filename
             if _frames.is_autoddp(filename) or _frames.is_package(filename, "torch"):
                 return None

@@ -2,7 +2,9 @@
 
 A save never leaves a half-written file at its path: rank 0 writes a temporary file in the same
 folder, flushes and fsyncs it, renames it over the path (``os.replace`` is atomic) and fsyncs
-the folder, so a crash at any moment leaves either the previous checkpoint or the new one.
+the folder, so a crash at any moment leaves either the previous checkpoint or the new one. A path
+that is not a regular file (a device such as ``/dev/null``, a FIFO, ``/dev/stdout``) is written in
+place, as one process writes it: a file renamed over it would replace the device itself.
 Models are saved as their plain ``state_dict()`` (no DDP ``module.`` prefix), so a checkpoint
 loads into the undecorated model too. Resume pattern::
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import uuid
 from collections.abc import Callable
 from typing import Any, BinaryIO
@@ -32,6 +35,8 @@ from autoddp.world import device
 # Temporary files are named ".<checkpoint name>.<random>.autoddp-tmp" next to the checkpoint.
 TEMPORARY_SUFFIX = ".autoddp-tmp"
 _MISSING: Any = object()
+_STANDARD_STREAMS = ("/dev/stdin", "/dev/stdout", "/dev/stderr")
+_DESCRIPTORS = ("/dev/fd/", "/proc/")
 
 
 def save(obj: Any, path: str | os.PathLike[str], *, sharded: bool = False) -> None:
@@ -132,8 +137,13 @@ def atomic_write(
     """Have ``write`` fill a temporary file next to ``path``, fsync it, rename it over ``path``.
 
     A crash at any moment leaves either the previous file or the new one, never a torn one.
-    ``before_replace`` runs between the two (a save waits there for the others' ``open``).
+    ``before_replace`` runs between the two (a save waits there for the others' ``open``). A
+    ``path`` that is not a regular file (``special``) is written in place instead, as by one process.
     """
+    if special(path):
+        with open(path, "wb") as file:
+            write(file)
+        return
     folder, name = os.path.split(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise FileNotFoundError(
@@ -159,6 +169,20 @@ def atomic_write(
         raise
     _remove_stale_temporaries(folder, name)
     _fsync_folder(folder)
+
+
+def special(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` exists and is not a regular file (through symlinks): a device
+    (``/dev/null``), a FIFO, a socket; or names an open file descriptor's file (``/dev/stdout``,
+    ``/dev/fd/N``, ``/proc/...``), whatever that is. Such a path is written in place, never replaced
+    by a file (``/dev/stdout`` sent to a file: that file stays the one the process writes to)."""
+    absolute = os.path.abspath(os.fsdecode(os.fspath(path)))
+    if absolute.startswith(_DESCRIPTORS) or absolute in _STANDARD_STREAMS:
+        return True
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except (OSError, ValueError):  # absent (or unreadable): a regular file is made there
+        return False
 
 
 def _plain_state(obj: Any) -> Any:
