@@ -96,6 +96,14 @@ def _calls(signature: inspect.Signature, method: bool) -> dict[str, tuple[tuple,
     return {shape: (tuple(args), kwargs) for shape, (args, kwargs) in shapes.items()}
 
 
+def _same(ours: Any, theirs: Any) -> bool:
+    """The same value: the caller's own (one object per parameter), or equal defaults (a builtin's
+    signature makes its own copy of ``open``'s ``"r"``)."""
+    if ours is theirs:
+        return True
+    return type(ours) is type(theirs) and isinstance(ours, (str, int, float, bool, bytes)) and ours == theirs
+
+
 def signature_faults(owner: Any, name: str, replacement: Any, original: Any) -> list[str]:
     """Where ``replacement`` (autoddp's wrapper of ``owner.name``) does not take a call exactly as
     ``original`` does: a parameter of its own that a caller's keyword collides with (the wrapper's
@@ -137,7 +145,7 @@ def signature_faults(owner: Any, name: str, replacement: Any, original: Any) -> 
                 continue
             if parameter.name not in expected.arguments:
                 faults.append(f"{where}: the wrapper's {parameter.name!r} is no parameter of the original")
-            elif got.arguments[parameter.name] is not expected.arguments[parameter.name]:
+            elif not _same(got.arguments[parameter.name], expected.arguments[parameter.name]):
                 faults.append(
                     f"{where}: the wrapper's {parameter.name!r} gets another value than the original's"
                 )
