@@ -19,6 +19,7 @@ from helpers import fork_or_skip
 from torch import nn
 
 import autoddp
+from autoddp import models
 from conftest import needs_fsdp
 
 N = 16  # samples: each rank takes its half, one process the whole (mean losses: the same step)
@@ -208,6 +209,33 @@ def test_fsdp_prepare_after_steps_carries_the_optimizer_state_into_the_shards():
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     _warmed(model, opt)
     _close(fit(), _train(model, opt, 0, 1))
+
+
+# --- 5: pruning a model wrapped before the optimizer is made ----------------------------------
+
+
+def test_a_model_pruned_under_capture_after_it_was_wrapped_keeps_one_ddp():
+    import torch.nn.utils.prune as prune
+
+    def run(model: nn.Module, rank: int, world: int) -> list[torch.Tensor]:
+        prune.l1_unstructured(model[0], name="weight", amount=0.5)  # weight_orig: a new parameter
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        _train(model, opt, rank, world)
+        prune.remove(model[0], "weight")
+        return _train(model, opt, rank, world)
+
+    @autoddp.distributed(nproc=2)
+    def fit(model: nn.Module) -> tuple[list[torch.Tensor], bool, list[str]]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state = run(model, autoddp.rank(), autoddp.world_size())
+        own = ["the Linear has a DDP of its own"] if models.distributed(model[0]) else []
+        return state, _identical(state), [str(w.message) for w in caught] + own
+
+    state, identical, said = fit(_net())
+    assert identical
+    assert said == []  # (before: the pruned Linear got a DDP of its own inside the model's, said)
+    _close(state, run(_net(), 0, 1))
 
 
 # --- 15: model.no_sync() at one process -----------------------------------------------------------
