@@ -3,8 +3,8 @@
 A single-dispatch function, so other libraries can teach it their own types with
 ``@autoddp.prepare.register(TheirType)``. ``prepare_call`` readies a decorated call's arguments:
 each one, the defaults it leaves out, and the models that optimizers made before the call train,
-wherever the call reaches them (``self.model`` with ``self.opt``, an object passed in, a default,
-a global or closure variable the function names).
+wherever the call reaches them (``self.model`` with ``self.opt``, an object passed in, a default;
+under capture also a global or closure variable the function names).
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ def prepare_call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tup
     args, kwargs = _with_prepared_defaults(fn, args, kwargs)
     args, kwargs = prepare(args), prepare(kwargs)
     if current().world_size > 1:
-        _wrap_trained(list(_containers.reachable(_reach(fn, args, kwargs), _FOUND, skip=_LEAVES)))
+        reach = _reach(fn, args, kwargs, beyond_arguments=CURRENT.options.capture)
+        _wrap_trained(list(_containers.reachable(reach, _FOUND, skip=_LEAVES)))
     return args, kwargs
 
 
@@ -126,15 +127,21 @@ def _with_prepared_defaults(fn: Callable[..., Any], args: tuple, kwargs: dict) -
     return bound.args, bound.kwargs
 
 
-def _reach(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Iterator[Any]:
-    """What a call of ``fn`` reaches: its arguments, ``self`` of a method, its defaults, the
-    variables of its closure and the globals its code names."""
+def _reach(fn: Callable[..., Any], args: tuple, kwargs: dict, beyond_arguments: bool) -> Iterator[Any]:
+    """What a call of ``fn`` reaches: its arguments, ``self`` of a method (a module's own attributes
+    too: ``self.opt`` beside its layers), its defaults and, ``beyond_arguments`` (under capture),
+    the variables of its closure and the globals its code names."""
     yield args
     yield kwargs
-    yield getattr(fn, "__self__", None)
+    owner = getattr(fn, "__self__", None)
+    yield owner
+    if isinstance(owner, torch.nn.Module):
+        yield [value for name, value in vars(owner).items() if not name.startswith("_")]
     func = inspect.unwrap(getattr(fn, "__func__", fn))
     yield getattr(func, "__defaults__", None)
     yield getattr(func, "__kwdefaults__", None)
+    if not beyond_arguments:
+        return
     for cell in getattr(func, "__closure__", None) or ():
         try:
             yield cell.cell_contents

@@ -134,6 +134,47 @@ def test_a_model_reached_only_through_a_default_argument_is_wrapped_with_capture
     _close(state, _one_process())
 
 
+class SelfTraining(nn.Module):
+    """A module that makes its own optimizer and trains itself in a decorated method."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _net()
+        self.opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    @autoddp.distributed(nproc=2, start_method="fork")
+    def fit(self) -> tuple[list[torch.Tensor], bool]:
+        state = _train(self, self.opt, autoddp.rank(), autoddp.world_size())
+        return state, _identical(state)
+
+
+def test_a_module_that_holds_its_own_optimizer_and_trains_itself_in_a_decorated_method():
+    fork_or_skip()
+    state, identical = SelfTraining().fit()
+    assert identical
+    _close(state, _one_process())
+
+
+_GLOBAL_NET = _net()
+_GLOBAL_OPT = torch.optim.SGD(_GLOBAL_NET.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_a_global_model_and_optimizer_made_before_the_call_are_trained_as_one_process():
+    fork_or_skip()
+
+    @autoddp.distributed(nproc=2, start_method="fork")
+    def fit() -> tuple[list[torch.Tensor], bool]:
+        state = _train(_GLOBAL_NET, _GLOBAL_OPT, autoddp.rank(), autoddp.world_size())
+        return state, _identical(state)
+
+    state, identical = fit()
+    assert identical
+    _close(state, _one_process())
+
+
 def test_an_optimizer_over_a_model_the_call_cannot_reach_is_said():
     hidden = _net()
     reach = lambda: hidden  # noqa: E731  (a closure in an attribute: not walked)
