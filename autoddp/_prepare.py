@@ -170,7 +170,9 @@ def _wrap_trained(found: list[Any]) -> None:
     optimizers = [item for item in found if isinstance(item, torch.optim.Optimizer)]
     if not optimizers:
         return
-    owner = _outermost([item for item in found if isinstance(item, torch.nn.Module)])
+    modules = [item for item in found if isinstance(item, torch.nn.Module)]
+    models.rebind_optimizers(optimizers, modules)  # (over models among the arguments, sharded)
+    owner = _outermost(list(modules))
     roots: dict[int, torch.nn.Module] = {}
     for optimizer in optimizers:
         params = [p for group in optimizer.param_groups for p in group["params"]]

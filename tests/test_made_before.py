@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -223,6 +224,37 @@ def test_fsdp_trainer_object_made_before_the_call_is_sharded_and_its_optimizer_r
         return [p.full_tensor().clone() for p in trainer.model.parameters()]
 
     _close(fit(Trainer()), _one_process())
+
+
+@needs_fsdp
+def test_fsdp_a_model_and_its_optimizer_passed_as_arguments_are_sharded_and_rebound():
+    fork_or_skip()  # (what the caller made is frozen away from the collector in a forked worker)
+
+    @autoddp.distributed(nproc=2, strategy="fsdp", capture=False, start_method="fork")
+    def fit(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        _train(model, opt, autoddp.rank(), autoddp.world_size())
+        return [p.full_tensor().clone() for p in model.parameters()]
+
+    model = _net()
+    _close(fit(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)), _one_process())
+
+
+def _hidden_optimizer(model: nn.Module) -> Callable[[], torch.optim.Optimizer]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return lambda: opt  # (reached only through a closure autoddp does not walk)
+
+
+@needs_fsdp
+def test_fsdp_an_optimizer_autoddp_cannot_find_is_refused_at_its_step():
+    fork_or_skip()
+
+    @autoddp.distributed(nproc=2, strategy="fsdp", capture=False, start_method="fork")
+    def fit(model: nn.Module, get_opt: Callable[[], torch.optim.Optimizer]) -> None:
+        _train(model, get_opt(), autoddp.rank(), autoddp.world_size())
+
+    with pytest.raises(autoddp.ConfigurationError, match="after model = autoddp.prepare"):
+        model = _net()
+        fit(model, _hidden_optimizer(model))  # (before: five steps that changed nothing, no word)
 
 
 def _warmed(model: nn.Module, opt: torch.optim.Optimizer) -> None:

@@ -79,9 +79,14 @@ def wrap(
         return module
     before = list(module.named_parameters())
     wrapped = strategy_named(options.strategy).wrap(module, world, options, move=move)
-    _rebind.rebind_optimizers(_rebind.replaced(before, wrapped), wrapped, optimizers)
-    del before  # (the old parameters' ids stay valid until here)
+    _rebind.rebind_optimizers(_rebind.remember(wrapped, before), optimizers)
     return wrapped
+
+
+def rebind_optimizers(optimizers: Iterable[torch.optim.Optimizer], models: Iterable[torch.nn.Module]) -> None:
+    """Bind ``optimizers`` (made before ``models`` were wrapped) to the parameters that wrapping
+    replaced in ``models`` (sharding); nothing for a strategy that keeps them."""
+    _rebind.rebind_known(optimizers, [unwrap(model) for model in models])
 
 
 def distributed(model: torch.nn.Module) -> bool:
