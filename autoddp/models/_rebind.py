@@ -60,8 +60,12 @@ class Replaced:
     def rebind(self, optimizer: torch.optim.Optimizer) -> None:
         """Have ``optimizer`` train the new parameters where it holds old ones."""
         if self.holds_old(optimizer):
-            mapping = {key: new() for key, new in self.new.items() if self.old[key]() is not None}
-            _rebind(optimizer, mapping, self.name)
+            pairs = ((key, self.old[key](), new()) for key, new in self.new.items())
+            _rebind(
+                optimizer,
+                {key: new for key, old, new in pairs if old is not None and new is not None},
+                self.name,
+            )
 
     def watch(self) -> None:
         if self.old and self._handle is None:
