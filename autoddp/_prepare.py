@@ -1,19 +1,25 @@
 """``prepare``: make one object ready for the current world (models, loaders, containers).
 
 A single-dispatch function, so other libraries can teach it their own types with
-``@autoddp.prepare.register(TheirType)``.
+``@autoddp.prepare.register(TheirType)``. ``prepare_call`` readies a decorated call's arguments:
+each one, the defaults it leaves out, and the models that optimizers made before the call train,
+wherever the call reaches them (``self.model`` with ``self.opt``, an object passed in, a default;
+under capture also a global or closure variable the function names).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import types
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
-from autoddp import _containers
+from autoddp import _containers, _warn
 from autoddp.errors import ConfigurationError
 from autoddp.state import CURRENT
 from autoddp.world import current
@@ -77,3 +83,136 @@ def _prepare_loader(obj: DataLoader) -> DataLoader:
     from autoddp.data.loaders import shard_loader
 
     return shard_loader(obj, current())
+
+
+def prepare_call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` of a call of ``fn`` ready for this process: each prepared, the
+    defaults the call leaves out too (passed explicitly where preparing gave a new object), and,
+    in a world of several processes, the models that optimizers made before the call train
+    (``_wrap_trained``)."""
+    args, kwargs = _with_prepared_defaults(fn, args, kwargs)
+    args, kwargs = prepare(args), prepare(kwargs)
+    if current().world_size > 1:
+        reach = _reach(fn, args, kwargs, beyond_arguments=CURRENT.options.capture)
+        _wrap_trained(list(_containers.reachable(reach, _FOUND, skip=_LEAVES)))
+    return args, kwargs
+
+
+#: What the walk of a call's reach looks for, and what it never goes into.
+_FOUND = (torch.nn.Module, torch.optim.Optimizer)
+_LEAVES = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, torch.Tensor, DataLoader)
+#: Containers that cannot be called: the models they hold are the models.
+_UNCALLABLE = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.ParameterList, torch.nn.ParameterDict)
+
+
+def _with_prepared_defaults(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call with ``fn``'s defaults prepared as arguments are (a model as a default is wrapped in
+    place; a loader comes back as a new one, then passed explicitly)."""
+    try:
+        signature = inspect.signature(fn)
+        bound = signature.bind(*args, **kwargs)
+    except (TypeError, ValueError):  # no signature, or a wrong call: the call itself says what is wrong
+        return args, kwargs
+    changed: dict[str, Any] = {}
+    for name, parameter in signature.parameters.items():
+        if name in bound.arguments or parameter.default is inspect.Parameter.empty:
+            continue
+        prepared = prepare(parameter.default)
+        if prepared is not parameter.default:
+            changed[name] = prepared
+    if not changed:
+        return args, kwargs
+    bound.apply_defaults()
+    bound.arguments.update(changed)
+    return bound.args, bound.kwargs
+
+
+def _reach(fn: Callable[..., Any], args: tuple, kwargs: dict, beyond_arguments: bool) -> Iterator[Any]:
+    """What a call of ``fn`` reaches: its arguments, ``self`` of a method (a module's own attributes
+    too: ``self.opt`` beside its layers), its defaults and, ``beyond_arguments`` (under capture),
+    the variables of its closure and the globals its code names."""
+    yield args
+    yield kwargs
+    owner = getattr(fn, "__self__", None)
+    yield owner
+    if isinstance(owner, torch.nn.Module):
+        yield [value for name, value in vars(owner).items() if not name.startswith("_")]
+    func = inspect.unwrap(getattr(fn, "__func__", fn))
+    yield getattr(func, "__defaults__", None)
+    yield getattr(func, "__kwdefaults__", None)
+    if not beyond_arguments:
+        return
+    for cell in getattr(func, "__closure__", None) or ():
+        try:
+            yield cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    code, namespace = getattr(func, "__code__", None), getattr(func, "__globals__", None)
+    if isinstance(code, types.CodeType) and isinstance(namespace, dict):
+        yield [namespace[name] for name in _names(code) if name in namespace]
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The global names ``code`` and the functions defined inside it use."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def _wrap_trained(found: list[Any]) -> None:
+    """Wrap, where they are, the models whose parameters the optimizers in ``found`` train (their
+    outermost modules in ``found``), so that an optimizer made before the call is an optimizer;
+    say which parameters belong to no model the call reaches."""
+    from autoddp import models
+
+    optimizers = [item for item in found if isinstance(item, torch.optim.Optimizer)]
+    if not optimizers:
+        return
+    modules = [item for item in found if isinstance(item, torch.nn.Module)]
+    models.rebind_optimizers(optimizers, modules)  # (over models among the arguments, sharded)
+    owner = _outermost(list(modules))
+    roots: dict[int, torch.nn.Module] = {}
+    for optimizer in optimizers:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        orphans = [p for p in params if id(p) not in owner]
+        roots.update((id(owner[id(p)]), owner[id(p)]) for p in params if id(p) in owner)
+        if orphans:
+            _say_orphans(optimizer, orphans)
+    world = current()
+    for root in roots.values():
+        if not models.distributed(root):
+            models.wrap(root, world, CURRENT.options, move=False, optimizers=optimizers)
+    for optimizer in optimizers:
+        models.bind_optimizer(optimizer)
+        models.guard_optimizer(optimizer)
+
+
+def _outermost(modules: list[torch.nn.Module]) -> dict[int, torch.nn.Module]:
+    """Parameter id -> the outermost of ``modules`` holding it (a container's items stand for it)."""
+    callable_ = []
+    while modules:
+        module = modules.pop()
+        if isinstance(module, _UNCALLABLE):
+            modules.extend(module.children())
+        else:
+            callable_.append(module)
+    inner = {id(sub) for module in callable_ for sub in module.modules() if sub is not module}
+    owner: dict[int, torch.nn.Module] = {}
+    for module in callable_:
+        if id(module) not in inner:
+            for param in module.parameters():
+                owner.setdefault(id(param), module)
+    return owner
+
+
+def _say_orphans(optimizer: torch.optim.Optimizer, orphans: list[torch.Tensor]) -> None:
+    shapes = ", ".join(str(tuple(p.shape)) for p in orphans[:5])
+    _warn.warn(
+        f"the {type(optimizer).__name__} made before this call trains {len(orphans)} parameters (shapes "
+        f"{shapes}) of no model the call reaches (its arguments, self, its defaults, the globals and "
+        "closure variables the function names, a few attributes deep), so autoddp cannot average "
+        "their gradients: every process trains its own copy of them. Pass the model to the "
+        "function (or keep it beside the optimizer, self.model), or make the optimizer inside it"
+    )

@@ -66,7 +66,9 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     Models and DataLoaders among the arguments are prepared (see ``autoddp.prepare``): models
     are moved to the process's device and wrapped in DDP (``ddp=`` passes keyword arguments
     to DistributedDataParallel; ``sync_batchnorm=True`` converts BatchNorm to SyncBatchNorm),
-    loaders get a DistributedSampler whose epoch advances by itself. Those the function makes
+    loaders get a DistributedSampler whose epoch advances by itself; so are defaults, and the
+    models that optimizers made before the call train, found in the arguments, ``self`` and the
+    defaults (``self.model`` beside ``self.opt``). Those the function makes
     itself are found too (``capture``, on by default): a model when an optimizer is made over
     it, a shuffled loader when it is first iterated, ``torch.save`` to a path written once by
     rank 0. ``capture=False`` leaves them alone.

@@ -168,8 +168,8 @@ def test_training_that_nothing_distributes_is_named_in_the_notice(tmp_path):
         manual, batches, ordered = (run.result() for run in runs)
     assert manual.returncode == 0, manual.stderr
     assert (
-        "autoddp:   not distributed: Net (sgd.py:14) got gradients at sgd.py:18, but no optimizer was "
-        "made over its parameters" in manual.stderr
+        "autoddp:   not distributed: Net (sgd.py:14) got gradients at sgd.py:18, but no optimizer autoddp "
+        "could see was made over its parameters" in manual.stderr
     )
     assert "pass it to autoddp.prepare(model)" in manual.stderr
 

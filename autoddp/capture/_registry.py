@@ -8,7 +8,6 @@ notice. Models built before capture started are found by ``frame_candidates`` in
 
 from __future__ import annotations
 
-import itertools
 import sys
 import types
 import weakref
@@ -18,7 +17,7 @@ from typing import Any
 
 import torch
 
-from autoddp import _frames
+from autoddp import _containers, _frames
 
 Site = tuple[str, int]
 
@@ -122,39 +121,14 @@ def _constructing(frame: FrameType, made: Any) -> bool:
 
 def frame_candidates(frame: FrameType | None) -> Iterator[torch.nn.Module]:
     """Modules the user's frames can reach, for models built before capture began: their locals
-    and globals, then breadth first through attributes (``self.model``), dicts, lists, tuples and
-    sets (``self.models["g"]``), bounded by ``DEPTH``, ``PER_CONTAINER`` and ``BUDGET``."""
+    and globals, then breadth first through attributes (``self.model``, slots too), dicts, lists,
+    tuples and sets (``self.models["g"]``), bounded by ``DEPTH``, ``PER_CONTAINER`` and ``BUDGET``."""
     level: list[Any] = []
     while frame is not None:
         if _frames.is_user(frame.f_code.co_filename):
             for namespace in (frame.f_locals, frame.f_globals):
                 level.extend(namespace.values())
         frame = frame.f_back
-    seen: set[int] = set()
-    for _ in range(DEPTH + 1):
-        below: list[Any] = []
-        for value in level:
-            if id(value) in seen or len(seen) >= BUDGET:
-                continue
-            seen.add(id(value))
-            if isinstance(value, torch.nn.Module):
-                yield value
-            else:
-                below.extend(_items(value))
-        level = below
-
-
-def _items(value: Any) -> list[Any]:
-    """What a value holds that may be or hold a model (at most ``PER_CONTAINER`` of them)."""
-    if isinstance(value, _LEAVES):
-        return []
-    if isinstance(value, (list, tuple)):
-        return list(value[:PER_CONTAINER])
-    if isinstance(value, dict):
-        return list(itertools.islice(value.values(), PER_CONTAINER))
-    if isinstance(value, (set, frozenset)):
-        return list(itertools.islice(value, PER_CONTAINER))
-    attributes = getattr(value, "__dict__", None)
-    if isinstance(attributes, dict):
-        return list(itertools.islice(attributes.values(), PER_CONTAINER))
-    return []
+    yield from _containers.reachable(
+        level, (torch.nn.Module,), skip=_LEAVES, depth=DEPTH, per_container=PER_CONTAINER, budget=BUDGET
+    )

@@ -92,7 +92,8 @@ class Undistributed:
             notice.say(
                 ("no optimizer", id(root)),
                 f"not distributed: {name} ({where(made)}) got gradients at {where(site)}, but no "
-                "optimizer was made over its parameters, so autoddp did not wrap it: if the code "
+                "optimizer autoddp could see was made over its parameters (one made before the call is "
+                "seen where the call reaches it), so autoddp did not wrap it: if the code "
                 "updates it by hand (p.data -= lr * p.grad), every process trains its own copy, "
                 f"{self.world_size} times the work for one process's result. Make a torch.optim "
                 "optimizer over its parameters (autoddp then wraps it in DDP), or pass it to "

@@ -19,6 +19,7 @@ import torch
 from autoddp import _patches, _warn, models
 from autoddp.capture._notice import where
 from autoddp.capture._registry import DEPTH, Registry, frame_candidates, user_site
+from autoddp.state import CURRENT
 
 #: Containers that cannot be called: a model held in one is the model, not the container.
 _UNCALLABLE = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.ParameterList, torch.nn.ParameterDict)
@@ -140,6 +141,9 @@ def roots(params: list[torch.Tensor], registry: Registry) -> tuple[list[torch.nn
             continue
         root = _climb(owner, registry)
         found.setdefault(id(root), root)
+    if found:  # a part of a model wrapped before (pruned or replaced under capture): that model
+        holders = _holders(CURRENT.wrapped_models())
+        found = {id(m): m for m in (holders.get(id(root), root) for root in found.values())}
     if unknown:
         index = _frame_index(sys._getframe(1))
         for param in unknown:
@@ -159,6 +163,16 @@ def _climb(module: torch.nn.Module, registry: Registry) -> torch.nn.Module:
         if not isinstance(candidate, _UNCALLABLE):
             return candidate
     return module
+
+
+def _holders(wrapped: list[torch.nn.Module]) -> dict[int, torch.nn.Module]:
+    """id(submodule) -> the wrapped model it is part of (the registry knows no parent above a
+    model built before capture)."""
+    holders: dict[int, torch.nn.Module] = {}
+    for model in wrapped:
+        for sub in models.unwrap(model).modules():
+            holders.setdefault(id(sub), model)
+    return holders
 
 
 def _frame_index(frame: Any) -> dict[int, torch.nn.Module]:

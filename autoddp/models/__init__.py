@@ -7,14 +7,15 @@ behaviour for models nobody wrapped.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from autoddp import _compat
+from autoddp import _compat, _patches
 from autoddp.environment import hardware
 from autoddp.errors import ConfigurationError
-from autoddp.models import _fsdp_state, _split
+from autoddp.models import _fsdp_state, _rebind, _routing, _split
 from autoddp.models.ddp import DDP, check_keywords
 from autoddp.models.fsdp import FSDP, fsdp_api, precision
 from autoddp.models.strategy import PLAIN, Strategy
@@ -62,11 +63,30 @@ def strategy_of(model: Any) -> Strategy:
     return getattr(type(model), "_autoddp_strategy", PLAIN)
 
 
-def wrap(module: torch.nn.Module, world: World, options: RunOptions, *, move: bool = True) -> torch.nn.Module:
-    """``module`` ready for ``world`` with the run's strategy (a model already wrapped is kept)."""
+def wrap(
+    module: torch.nn.Module,
+    world: World,
+    options: RunOptions,
+    *,
+    move: bool = True,
+    optimizers: Iterable[torch.optim.Optimizer] = (),
+) -> torch.nn.Module:
+    """``module`` ready for ``world`` with the run's strategy (a model already wrapped is kept).
+
+    Where the strategy replaced parameters (sharding), optimizers made before over the old ones
+    are bound to the new ones (``_rebind``; ``optimizers``: ones the caller knows of)."""
     if isinstance(module, torch.nn.parallel.DistributedDataParallel):
         return module
-    return strategy_named(options.strategy).wrap(module, world, options, move=move)
+    before = list(module.named_parameters())
+    wrapped = strategy_named(options.strategy).wrap(module, world, options, move=move)
+    _rebind.rebind_optimizers(_rebind.remember(wrapped, before), optimizers)
+    return wrapped
+
+
+def rebind_optimizers(optimizers: Iterable[torch.optim.Optimizer], models: Iterable[torch.nn.Module]) -> None:
+    """Bind ``optimizers`` (made before ``models`` were wrapped) to the parameters that wrapping
+    replaced in ``models`` (sharding); nothing for a strategy that keeps them."""
+    _rebind.rebind_known(optimizers, [unwrap(model) for model in models])
 
 
 def distributed(model: torch.nn.Module) -> bool:
@@ -176,3 +196,9 @@ def show_split_loss_whole(loss: Any) -> None:
 def split_note(model: torch.nn.Module) -> str:
     """split_batches: the notice's words for ``model``'s BatchNorm layers with global statistics."""
     return _split.note(model)
+
+
+def no_sync_at_one_process() -> _patches.Patches:
+    """``model.no_sync()`` on every module while the user's code runs in one process (a no-op
+    context; ``with`` this unit), where no model is wrapped: accumulation code runs unchanged."""
+    return _patches.Patches([(torch.nn.Module, "no_sync", _routing.NoSyncAnywhere())])

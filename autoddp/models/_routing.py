@@ -139,6 +139,21 @@ def _no_sync(self: torch.nn.Module) -> contextlib.AbstractContextManager:
     return ddp.no_sync() if ddp is not None else contextlib.nullcontext()
 
 
+class NoSyncAnywhere:
+    """``no_sync`` for every module (on ``torch.nn.Module``, while one process runs the user's
+    code): a no-op context, nothing being synchronised, so gradient-accumulation code written for
+    several processes runs unchanged. A submodule, parameter or buffer named ``no_sync`` wins."""
+
+    def __get__(self, module: Any, owner: type | None = None) -> Any:
+        if module is None:
+            return self
+        for table in ("_modules", "_parameters", "_buffers"):
+            held = module.__dict__.get(table)
+            if held and "no_sync" in held:
+                return held["no_sync"]
+        return contextlib.nullcontext
+
+
 def _watched(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a user method so that computing with gradients while bypassing DDP warns once."""
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from autoddp import _containers, models
-from autoddp._prepare import prepare
+from autoddp._prepare import prepare_call
 from autoddp.hang import marks
 from autoddp.state import CURRENT, RunOptions, World
 from autoddp.world import finished, process_group, streams
@@ -61,8 +61,10 @@ def run_in_world(job: Job, world: World, finish: Callable[[Any], Any]) -> Any:
         if job.streams is not None:
             CURRENT.seeds = (streams.seed_worker(job.streams, world.rank), job.streams.torch_initial_seed)
         try:
+            if world.world_size <= 1:
+                stack.enter_context(models.no_sync_at_one_process())  # (a no-op where nothing syncs)
             with marks.marking(CURRENT.world or world):  # the hang report's record, in watched workers
-                args, kwargs = prepare(job.args), prepare(job.kwargs)
+                args, kwargs = prepare_call(job.fn, job.args, job.kwargs)
                 with _capturing(job.options, CURRENT.world or world):
                     if world.world_size > 1:
                         kept.install()

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from autoddp import _compat, _frames, _patches, _variables, capture, environment
+from autoddp import _compat, _frames, _patches, _variables, capture, environment, models
 from autoddp._compat import gloo_lines
 from autoddp._warn import say
 from autoddp.environment import hardware, preflight
@@ -142,7 +142,8 @@ def _run_captured(argv: list[str], kept: KeptGroups) -> None:
     own DDP models are ``kept`` (released after its atexit hooks)."""
     capture_on, options, timeout, argv = _runner_flags(argv)
     world = environment.detect().world()
-    with marks.marking(world), _own_groups_checked(world, timeout):  # (the hang report's hooks outermost)
+    one = models.no_sync_at_one_process() if world.world_size <= 1 else _patches.Patches()
+    with marks.marking(world), _own_groups_checked(world, timeout), one:  # (the hang report's outermost)
         session = _start_capture(capture_on, options, timeout)
         kept.install()
         try:
