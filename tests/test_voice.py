@@ -171,3 +171,21 @@ def test_training_in_processes_the_script_starts_itself_is_said(tmp_path, method
     assert "Run such a script with plain python" in result.stderr
     notice = result.stderr.split("autoddp: capture:")[1]
     assert notice.index(said) < notice.index("torch.save('hogwild.pt')")  # said at the join, first
+
+
+@pytest.mark.unit
+def test_a_line_is_said_again_for_another_live_object_only():
+    from autoddp.capture._notice import Notice
+
+    class Loader:  # (any object that takes a weak reference)
+        pass
+
+    notice = Notice(rank=1, world_size=2)  # (rank 1 writes nothing: only what it would say is kept)
+    for _ in range(3):  # made anew each epoch, the earlier one gone: one line
+        notice.say(("loader", object()), "DataLoader (t.py:3): sharded", subject=Loader())
+    assert len(notice.lines["DataLoader (t.py:3): sharded"]) == 1
+    kept = [Loader(), Loader()]  # two alive at once: a line each
+    for loader in kept:
+        notice.say(("loader", id(loader)), "DataLoader (t.py:4): sharded", subject=loader)
+    notice.say(("loader", "again"), "DataLoader (t.py:4): sharded", subject=kept[0])  # the same one
+    assert len(notice.lines["DataLoader (t.py:4): sharded"]) == 2

@@ -41,8 +41,9 @@ class Notice:
             return
         self.said.add(key)
         self.lines.setdefault(line, []).append(_weak(subject))
-        if earlier is not None:  # (earlier now holds this one too)
-            line = f"{line} (a {_ordinal(len(earlier))} one)"
+        if earlier is not None:  # (earlier now holds this one too): the n-th alive at once
+            alive = sum(1 for ref in earlier if ref is not None and ref() is not None)
+            line = f"{line} (a {_ordinal(alive)} one)"
         if not captured and not self.captured:
             self._held.append(line)
             return
