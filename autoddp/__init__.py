@@ -8,6 +8,7 @@ from autoddp.data.gather import gather
 from autoddp.decorator import distributed
 from autoddp.errors import (
     AutoDDPError,
+    AutoDDPWarning,
     CollectiveInRank0Error,
     ConfigurationError,
     Rank0Error,
@@ -26,6 +27,7 @@ __version__ = "0.1.0"  # a literal: setup.cfg reads it without importing the pac
 
 __all__ = [
     "AutoDDPError",
+    "AutoDDPWarning",
     "CollectiveInRank0Error",
     "ConfigurationError",
     "Rank0Error",

@@ -135,6 +135,7 @@ def _call(options: Options, wrapped: Callable[..., Any], instance: Any, args: tu
     if plan.multi or nproc > 1:
         job.streams = streams.of_caller(keep=options.split_batches)
         job.start_method = multiprocessing.get_start_method(allow_none=True)
+        job.warning_filters = _warn.filters_to_carry()
     if plan.multi:
         from autoddp.launch import nodes  # (the launch machinery loads when it is first needed)
 

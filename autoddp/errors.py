@@ -1,10 +1,15 @@
-"""Exception classes raised by autoddp; each message says what to do about it."""
+"""Exception and warning classes of autoddp; each message says what to do about it."""
 
 from __future__ import annotations
 
 
 class AutoDDPError(Exception):
     """Base class of every error autoddp raises itself."""
+
+
+class AutoDDPWarning(UserWarning):
+    """The category of every warning autoddp gives (each text begins ``autoddp:``): silence them all
+    with ``warnings.filterwarnings("ignore", category=autoddp.AutoDDPWarning)``."""
 
 
 class ConfigurationError(AutoDDPError, ValueError):

@@ -81,7 +81,8 @@ def speak(fails):
 try:
     speak(len(sys.argv) > 4)
 except Exception as error:
-    found = {{"type": type(error).__name__, "first": str(error).splitlines()[0], "notes": error.__notes__}}
+    from autoddp._warn import one_line  # (its type, [rank R of N] and first line, as the command says)
+    found = {{"type": type(error).__name__, "first": one_line(error), "notes": error.__notes__}}
     sys.stdout.write("FAILED " + json.dumps(found) + "\\n")
 """
 

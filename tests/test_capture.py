@@ -216,7 +216,7 @@ def test_models_without_an_optimizer_are_left_alone_and_loose_parameters_warn():
 
     wrapped, messages = train()
     assert wrapped is False
-    assert messages == ["1 of this optimizer's parameters (shapes (3,)) belong to no "]
+    assert messages == ["autoddp: 1 of this optimizer's parameters (shapes (3,)) belo"]
 
 
 def test_capture_off_restores_plain_behaviour_and_prepare_wins():

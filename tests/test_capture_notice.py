@@ -102,8 +102,9 @@ def test_an_optimizer_stepping_in_a_whole_pass_is_said_at_the_users_line(tmp_pat
     script = write(tmp_path / "train.py", STEP_IN_EVAL)
     result = run_python(["-m", "autoddp.cli", "-n", "2", str(script)])
     assert result.returncode == 0, result.stderr
-    assert "train.py:13: UserWarning: an optimizer steps while the shuffled DataLoader at train.py:8" in (
-        result.stderr
+    assert (
+        "train.py:13: AutoDDPWarning: autoddp: an optimizer steps while the shuffled DataLoader at train.py:8"
+        in (result.stderr)
     )
     assert "call model.train() before iterating the loader" in result.stderr
 
@@ -303,7 +304,7 @@ def test_passes_before_the_optimizer_see_all_the_data_and_training_is_still_shar
         for got, want in zip(rank["w"], single["w"], strict=True):  # full-batch steps
             torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-5)
     assert "first iterated outside training (no gradients, no model trained yet" in two.stderr
-    assert "UserWarning" not in two.stderr
+    assert "Warning" not in two.stderr
 
 
 LOOSE_TENSORS = """
@@ -468,8 +469,9 @@ def test_a_shuffled_pass_begun_before_the_optimizer_is_named_as_such_and_warned_
     )
     result = run_python(["-m", "autoddp.cli", "-n", "2", str(script)])
     assert result.returncode == 0, result.stderr
-    assert "early.py:12: UserWarning: an optimizer steps while the shuffled DataLoader at early.py:5" in (
-        result.stderr
+    assert (
+        "early.py:12: AutoDDPWarning: autoddp: an optimizer steps while the shuffled DataLoader at early.py:5"
+        in (result.stderr)
     )
     assert (
         "not distributed: the first optimizer step (early.py:12) came during a pass over the shuffled "

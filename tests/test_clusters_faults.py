@@ -203,7 +203,8 @@ def test_an_exception_on_node1_reaches_node0_with_its_traceback(scripts, front):
         assert "rank 1 runs on node 1 of 2: the failure began there" in err0
     else:
         found = json.loads(out0.partition("FAILED ")[2])
-        assert found["type"] == "ValueError" and found["text"] == "[rank 1 of 2] bad batch on rank 1", found
+        assert found["type"] == "ValueError" and found["text"] == "bad batch on rank 1", found
+        assert found["notes"][0].startswith("autoddp: [rank 1 of 2] raised this"), found
         assert any("rank 1 runs on node 1 of 2: the failure began there" in n for n in found["notes"])
         assert "Traceback of rank 1 of 2" in found["cause"] and "in check" in found["cause"], found
 

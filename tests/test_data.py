@@ -471,7 +471,7 @@ def test_distributed_and_iterable_loaders_are_left_alone_with_a_warning():
     assert out["own"] and out["batched"] and out["twice"] and out["stream"]
     assert out["stream_items"] == list(range(6))
     messages = out["warnings"]
-    assert all(category == "UserWarning" for category, _ in messages)
+    assert all(category == "AutoDDPWarning" for category, _ in messages)
     sharded = [m for _, m in messages if "already sharded; left as is" in m]
     assert len(sharded) == 3
     assert "set_epoch" in sharded[0] and "set_epoch" not in sharded[2]

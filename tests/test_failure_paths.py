@@ -40,7 +40,7 @@ def test_a_failure_with_persistent_loader_workers_is_fast_and_leaves_nothing(tmp
                     raise ValueError("bad batch")
                 autoddp.barrier()
 
-    with pytest.raises(ValueError, match=r"\[rank 1 of 2\] bad batch"):
+    with pytest.raises(ValueError, match=r"bad batch\nautoddp: \[rank 1 of 2\] raised this"):
         train(str(tmp_path))
     # From the raise to the caller's exception: no wait for the loader workers' own exit checks
     # (5 s each) nor for rank 0's collective to time out. (Measured from the raise, not the start,
@@ -137,7 +137,8 @@ def test_exceptions_with_their_own_constructor_come_back_as_themselves():
     with pytest.raises(Diverged) as caught:
         train()
     assert (caught.value.step, caught.value.loss) == (7, float("inf"))
-    assert "[rank 1 of 2] diverged at step 7" in str(caught.value)
+    assert caught.value.args == ("diverged at step 7",)  # as raised
+    assert caught.value.__notes__[0].startswith("autoddp: [rank 1 of 2] raised this")
 
 
 DIVERGES_IN_MAIN = """
@@ -224,10 +225,10 @@ def test_warnings_point_at_the_users_line_and_rank_aware_datasets_stay_quiet(tmp
         ("train.py", bn_line),
         ("train.py", stream_line),
     ]
-    assert warned[0][2].startswith("BN has BatchNorm layers") and "cannot shard a DataLoader" in warned[1][2]
+    assert warned[0][2].startswith("autoddp: BN has") and "cannot shard a DataLoader" in warned[1][2]
     # the BatchNorm hint for the argument (prepared before the function runs) names the function
     decorated = next(i for i, line in enumerate(lines, 1) if line.strip().startswith("def train(")) - 1
-    assert f"train.py:{decorated}: UserWarning: BN has BatchNorm layers" in result.stderr
+    assert f"train.py:{decorated}: AutoDDPWarning: autoddp: BN has BatchNorm layers" in result.stderr
     assert "sys:1" not in result.stderr and "autoddp/" not in result.stderr
 
 

@@ -145,7 +145,7 @@ def test_warnings_point_at_the_users_line(tmp_path):
         warnings.simplefilter("always")
         space["train"]()
     assert [(os.path.basename(w.filename), w.lineno, str(w.message)) for w in caught] == [
-        ("train.py", 3, "note")
+        ("train.py", 3, "autoddp: note")
     ]
 
 

@@ -235,9 +235,11 @@ def test_one_process_runs_unsharded_with_a_note():
             prepared = autoddp.prepare(model)
         return type(prepared).__name__, [str(w.message)[:40] for w in caught]
 
-    with pytest.warns(UserWarning, match="strategy='fsdp' with one process"):  # preparing the argument
+    with pytest.warns(
+        autoddp.AutoDDPWarning, match="strategy='fsdp' with one process"
+    ):  # preparing the argument
         name, notes = train(Net())
-    assert name == "Net" and notes == ["strategy='fsdp' with one process: there "]
+    assert name == "Net" and notes == ["autoddp: strategy='fsdp' with one proces"]
 
 
 def test_mixed_precision_and_offload_map_onto_fsdp2_policies():

@@ -47,5 +47,8 @@ def test_a_weighted_mean_loss_is_said_at_its_backward_line(tmp_path, loss):
         assert "multiply the loss by the number of processes" in proc.stderr or loss == "mean"
         return
     assert proc.stderr.count(said) == 1, proc.stderr  # once, on rank 0
-    assert f"train.py:{SCRIPT.splitlines().index('    loss.backward()') + 1}: UserWarning" in proc.stderr
+    assert (
+        f"train.py:{SCRIPT.splitlines().index('    loss.backward()') + 1}: AutoDDPWarning: autoddp: "
+        in proc.stderr
+    )
     assert "reduction='sum' divided by the global batch's total weight" in proc.stderr

@@ -203,9 +203,11 @@ def test_a_timeout_on_two_nodes_is_triaged_as_on_one(two_runs):
     (code0, out0, err0), (code1, out1, err1) = runs["late", 0], runs["late", 1]
     assert code0 == code1 == 0, err0 + err1
     # node 1: its rank 2 timed out waiting; rank 3 had not arrived, and where it was is shown
-    assert out1.startswith("RuntimeError: [rank 2 of 4]") and GLOO_TIMEOUT.search(out1), out1
+    assert out1.startswith("RuntimeError: ") and GLOO_TIMEOUT.search(out1), out1
+    assert "\nautoddp: [rank 2 of 4] raised this" in out1, out1  # its args as raised, the rank in a note
     assert "rank(s) 3 had not arrived" in out1 and "where rank 3 was when stopped" in out1, out1
     assert re.search(r"late.py\", line 8 in train", out1), out1
     # node 0: its ranks waited for a rank of another machine, which the note says
-    assert re.match(r"RuntimeError: \[rank [01] of 4\]", out0) and GLOO_TIMEOUT.search(out0), out0
+    assert out0.startswith("RuntimeError: ") and GLOO_TIMEOUT.search(out0), out0
+    assert re.search(r"\nautoddp: \[rank [01] of 4\] raised this", out0), out0
     assert "the failure began there" in out0, out0

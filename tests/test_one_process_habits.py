@@ -258,7 +258,7 @@ def test_a_buffer_the_forward_updates_is_hinted_once_at_the_users_line(tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     said = "Normalised's forward updates buffers (norm.mean), running statistics that DDP does not average"
     assert result.stderr.count(said) == 1, result.stderr
-    assert "normaliser.py:25: UserWarning: " + said in result.stderr  # the forward's line
+    assert "normaliser.py:25: AutoDDPWarning: autoddp: " + said in result.stderr  # the forward's line
     assert "all-reduce the batch's sums and counts" in result.stderr
     assert "Normalised has BatchNorm layers" in result.stderr  # BatchNorm's own hint, not this one
     quiet = write(tmp_path / "static.py", RUNNING_NORMALISER.replace("if self.training:", "if False:"))

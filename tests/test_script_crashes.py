@@ -238,4 +238,6 @@ def test_warnings_turned_into_errors_never_stop_a_run_and_are_still_shown(tmp_pa
     for result in results:
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.splitlines()[-1] == "done"
-        assert result.stderr.count("UserWarning: Sequential has BatchNorm layers") == 1  # shown, once
+        assert (
+            result.stderr.count("AutoDDPWarning: autoddp: Sequential has BatchNorm layers") == 1
+        )  # shown, once

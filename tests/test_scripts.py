@@ -114,4 +114,4 @@ def test_uncaught_worker_error_shows_rank_and_traceback(tmp_path):
     err = proc.stderr
     assert "Traceback of rank 1 of 2" in err
     assert "load_batch(7)" in err and "raise KeyError" in err  # the worker's source lines
-    assert "KeyError: '[rank 1 of 2] sample 7 missing'" in err
+    assert "KeyError: 'sample 7 missing'\nautoddp: [rank 1 of 2] raised this" in err

@@ -221,7 +221,7 @@ def test_a_sampler_that_cannot_be_copied_is_said_at_the_loop(tmp_path):
     result = run_python(["-m", "autoddp.cli", "-n", "2", str(script)])
     assert result.returncode == 0, result.stderr
     assert "cannot copy this Locked" in result.stderr
-    assert "locked.py:23: UserWarning" in result.stderr  # at the loop's line
+    assert "locked.py:23: AutoDDPWarning: autoddp: cannot copy" in result.stderr  # at the loop's line
     assert "copy.deepcopy(sampler) must work" in result.stderr
 
 

@@ -240,6 +240,7 @@ def test_no_function_is_over_eighty_lines():
 def test_the_public_api_is_the_documented_one():
     assert sorted(autoddp.__all__) == [
         "AutoDDPError",
+        "AutoDDPWarning",
         "CollectiveInRank0Error",
         "ConfigurationError",
         "Rank0Error",

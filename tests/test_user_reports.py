@@ -54,7 +54,7 @@ def test_calling_the_submodules_directly_still_averages_the_gradients():
 
     identical, messages = train()
     assert identical
-    assert messages == ["AutoEncoder's gradients were computed without calling AutoEn"]
+    assert messages == ["autoddp: AutoEncoder's gradients were computed without calli"]
 
 
 def test_the_length_of_a_shuffled_loader_is_this_ranks_share_before_its_first_pass():

@@ -1,10 +1,13 @@
 """Whether a forked process can use what its parent started: CUDA, and autograd's device threads.
 
 Torch marks a child forked after either as a "bad fork"; autoddp asks before it forks workers
-(``launch.start_method``) and in a worker before it touches CUDA (``worker.process``).
+(``launch.start_method``) and in a worker before it touches CUDA (``worker.process``). And what a
+``multiprocessing`` process the user's code starts will run (``capture.children``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -29,3 +32,10 @@ def autograd_in_bad_fork() -> bool:
             return True
         raise
     return False
+
+
+def process_call(process: Any) -> tuple[Any, tuple, dict]:
+    """The target, args and kwargs a ``multiprocessing`` process will run (CPython keeps them
+    private; a subclass with a ``run()`` of its own may have none: ``(None, (), {})``)."""
+    target = getattr(process, "_target", None)
+    return target, tuple(getattr(process, "_args", ()) or ()), dict(getattr(process, "_kwargs", {}) or {})

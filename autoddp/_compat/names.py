@@ -39,6 +39,9 @@ PRIVATE = {
     "torch.autograd.graph.Node._saved_weight": "a weighted loss, from its graph",
     "torch.autograd.graph.Node._saved_ignore_index": "a loss's ignored targets, from its graph",
     "torch.autograd.graph.Node._saved_target": "a loss's targets, from its graph",
+    "multiprocessing.process.BaseProcess._target": "what a process the user's code started runs",
+    "multiprocessing.process.BaseProcess._args": "what a process the user's code started is given",
+    "multiprocessing.process.BaseProcess._kwargs": "what a process the user's code started is given",
     "atexit._run_exitfuncs": "the process's exit hooks, run before a fast exit",
     "atexit._clear": "the exit hooks a forked worker inherited, dropped",
 }

@@ -99,6 +99,7 @@ class Undistributed:
                 "optimizer over its parameters (autoddp then wraps it in DDP), or pass it to "
                 "autoddp.prepare(model)",
                 captured=True,
+                subject=root,
             )
         if not named and not distributed:
             notice.say(

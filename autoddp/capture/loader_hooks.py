@@ -281,14 +281,16 @@ class Loaders:
             with session.own_work():
                 foreign = foreign_shares(loader, session.world())
             if foreign is not None and session.notice is not None:
-                session.notice.say(("loader", id(loader)), f"DataLoader ({where(site)}): {foreign}")
+                session.notice.say(
+                    ("loader", id(loader)), f"DataLoader ({where(site)}): {foreign}", subject=loader
+                )
             return
         if found != "random":
             if found == "ordered":
                 session.undistributed.ordered.append(site)
             if session.notice is not None:
                 line = f"DataLoader ({where(site)}): left whole: {REASONS[found]}"
-                session.notice.say(("loader", id(loader)), line, captured=False)
+                session.notice.say(("loader", id(loader)), line, captured=False, subject=loader)
             return
         with session.own_work():
             world = session.world()
@@ -303,7 +305,7 @@ class Loaders:
             )
         else:
             line = f"DataLoader ({where(site)}): sharded, {each}; left whole in evaluation passes"
-        session.notice.say(("loader", id(loader)), line)
+        session.notice.say(("loader", id(loader)), line, subject=loader)
 
     def _shard_random(self, loader: DataLoader, site: tuple[str, int], world: World) -> bool:
         """Shard a random ``loader`` (False: left whole, and said so)."""
@@ -312,7 +314,7 @@ class Loaders:
         if _compat.loader_iterator(loader) is not None:
             reason = "already iterated with persistent workers before autoddp saw it"
             line = f"DataLoader ({where(site)}): left whole: {reason}"
-            notice.say(("loader", id(loader)), line, captured=False)
+            notice.say(("loader", id(loader)), line, captured=False, subject=loader)
             return False
         whole = (loader.sampler, loader.batch_sampler)
         if self.session.options.split_batches:  # one process's batches, in parts: no seed of autoddp's

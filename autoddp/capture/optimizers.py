@@ -104,6 +104,7 @@ class Optimizers:
                 f"{name} ({where(session.registry.site(root))}): {session.options.strategy.upper()} across "
                 f"{world.world_size} processes, found through the optimizer at {where(site)}"
                 f"{models.split_note(root)}",
+                subject=root,
             )
         return rebind(items, mapping)
 

@@ -12,6 +12,8 @@ patches it installs and removes around that code only:
 - ``torch.save`` to a path: written once, by rank 0, atomically (``saves``); ``open(path, "wb")``
   of such a file: a private file of the rank's own, so that no rank's open empties it (``opens``);
 - ``open`` for writing (an audit hook): the files several ranks wrote are named (``shared_files``);
+- ``multiprocessing``'s ``Process.start`` and ``join``: training in processes the user's code
+  starts itself is said, as not distributed (``children``);
 - ``DistributedDataParallel.__init__``: a user's own DDP takes over from autoddp's (never two);
 - ``torch.autograd.backward`` (its first call; each, and ``grad``, counted for ``models.counted``)
   and every optimizer step (global step hook): what could not be distributed is said
@@ -37,6 +39,7 @@ from autoddp.capture import devices
 from autoddp.capture._notice import Notice
 from autoddp.capture._registry import Registry
 from autoddp.capture._undistributed import Undistributed
+from autoddp.capture.children import Children
 from autoddp.capture.loader_hooks import Loaders
 from autoddp.capture.optimizers import Optimizers
 from autoddp.capture.passes import Passes
@@ -76,6 +79,7 @@ class Session:
         self.loaders = Loaders(self)
         self.saves = Saves(self)
         self.steps = Steps(self)
+        self.children = Children(self)  # processes the user's code starts itself
         self.devices = devices.Devices(known, lambda: self.notice)  # cuda:0 habits: the own GPU
         if world is not None:
             self.world()
@@ -87,7 +91,7 @@ class Session:
             install_hook()
             self.registry.install()
             self.devices.install()
-            for family in (self.optimizers, self.loaders, self.steps, self.saves):
+            for family in (self.optimizers, self.loaders, self.steps, self.saves, self.children):
                 family.install()
             if self._join is not None:  # a script: the user may make the group themselves
                 patches = [(owner, "init_process_group") for owner in (dist, dist.distributed_c10d)]
@@ -102,6 +106,8 @@ class Session:
     def uninstall(self) -> None:
         """Take the hooks out (idempotent): torch's attributes are as they were before ``install``."""
         try:
+            if self.ended_well:
+                self.children.check(ended=True)
             if self.saves.joined and self.shared_files is not None and self.notice is not None:
                 if self.ended_well:
                     self.shared_files.publish()
@@ -110,14 +116,19 @@ class Session:
                     self.shared_files.gather(set(self.saves.counts), self.notice.say)
             self.passes.write()
         finally:
-            for family in (self.optimizers, self.loaders, self.steps, self.saves):
-                family.uninstall()
-            self._patches.restore()
-            self.steps.remove_step_hook()
-            self.registry.uninstall()
-            self.devices.uninstall()
-            if CURRENT.capture is self:
-                CURRENT.capture = None
+            self.take_out()
+
+    def take_out(self) -> None:
+        """Every hook out, and nothing else (also in a process the user's code forked: there the
+        code runs as the user wrote it, and no rank waits for anything of its)."""
+        for family in (self.optimizers, self.loaders, self.steps, self.saves, self.children):
+            family.uninstall()
+        self._patches.restore()
+        self.steps.remove_step_hook()
+        self.registry.uninstall()
+        self.devices.uninstall()
+        if CURRENT.capture is self:
+            CURRENT.capture = None
 
     @contextlib.contextmanager
     def own_work(self) -> Iterator[None]:

@@ -3,9 +3,12 @@ and autoddp's own one-line messages on stderr."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from autoddp._warn import say
@@ -145,6 +148,46 @@ def real_stdio() -> bool:
     except (AttributeError, OSError, ValueError):
         return False
     return True
+
+
+@contextlib.contextmanager
+def forks_write_to_descriptors(method: str) -> Iterator[None]:
+    """While forked workers are started: ``sys.stdout``/``sys.stderr`` write to descriptors 1 and 2
+    where this process's streams send their output around them, so the workers inherit streams on
+    the descriptors that elastic routes (``ranks=``, ``[rank N]``, log files).
+
+    A notebook's streams (ipykernel's) claim another descriptor (a copy of the kernel's console)
+    and send what is written over the kernel's socket, from a forked child too: elastic would
+    redirect the copy, and every rank's ``print`` would reach the cell. The kernel watches its
+    descriptors 1 and 2 and shows what reaches them in the cell. A plain file, a stream with no
+    descriptor (nothing is routed then) and one on 1 or 2 are left as they are.
+    """
+    swapped = {}
+    if method == "fork":
+        for name, descriptor in (("stdout", 1), ("stderr", 2)):
+            stream = getattr(sys, name)
+            if _around_descriptor(stream, descriptor):
+                stream.flush()
+                swapped[name] = stream
+                raw = io.BufferedWriter(io.FileIO(descriptor, "w", closefd=False))
+                encoding = getattr(stream, "encoding", None) or "utf-8"
+                setattr(sys, name, io.TextIOWrapper(raw, encoding, "backslashreplace", line_buffering=True))
+    try:
+        yield
+    finally:
+        for name, stream in swapped.items():
+            getattr(sys, name).flush()
+            setattr(sys, name, stream)
+
+
+def _around_descriptor(stream: Any, descriptor: int) -> bool:
+    """Whether ``stream`` claims a descriptor other than ``descriptor`` and is no plain file."""
+    if stream is None or isinstance(stream, io.TextIOWrapper):
+        return False
+    try:
+        return stream.fileno() != descriptor
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
 def show_hidden_output(

@@ -13,6 +13,7 @@ from typing import Any
 
 from autoddp._warn import say
 from autoddp.errors import WorkerError
+from autoddp.launch import output
 from autoddp.launch.exits import Exits
 
 POLL_SECONDS = 0.05
@@ -44,15 +45,16 @@ def supervise(
             stream.flush()  # forked children must not inherit unflushed output
         context = None
         try:
-            context = start_processes(
-                name="autoddp",
-                entrypoint=entry,
-                args=entry_args,
-                envs=envs,
-                logs_specs=logs_specs,
-                log_line_prefixes=prefixes,
-                start_method="fork" if method == "fork" else "spawn",
-            )
+            with output.forks_write_to_descriptors(method):  # (a notebook's streams: see there)
+                context = start_processes(
+                    name="autoddp",
+                    entrypoint=entry,
+                    args=entry_args,
+                    envs=envs,
+                    logs_specs=logs_specs,
+                    log_line_prefixes=prefixes,
+                    start_method="fork" if method == "fork" else "spawn",
+                )
             ended = exits.watching(context.pids) if exits is not None else contextlib.nullcontext()
             with watch(), ended:
                 return context, context.wait(period=poll_seconds)

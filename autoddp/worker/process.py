@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from autoddp import _compat, _variables, environment
+from autoddp import _compat, _variables, _warn, environment
 from autoddp._compat import forks
 from autoddp.errors import AutoDDPError
 from autoddp.worker.running import Job, portable, run_in_world
@@ -46,6 +46,7 @@ def main() -> None:
         own = _pin_own_gpu()  # before the job's CUDA tensors are restored (on the own GPU, not cuda:0)
         where = None if own is None else placement.restore_cuda_on(own)
         job = transport.load_job(folder, where)  # pickled once for all attempts; the folder is this attempt's
+        _warn.use_filters(job.warning_filters)  # (a forked worker has the caller's already)
     except BaseException as exc:
         transport.save_error(folder, int(os.environ.get("RANK", "0")), exc)
         _leave(1)

@@ -40,6 +40,8 @@ class Job:
     streams: streams.Streams | None = None
     #: The caller's ``multiprocessing`` start method (None: not chosen yet), given to its workers.
     start_method: str | None = None
+    #: The caller's warning filters, given to workers started as fresh interpreters (``_warn``).
+    warning_filters: list | None = None
 
     @property
     def fn_name(self) -> str:

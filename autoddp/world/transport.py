@@ -268,7 +268,8 @@ class ErrorReport:
         return f"{self.type_name}: {first_line}" if first_line else self.type_name
 
     def rebuild(self, world_size: int) -> BaseException:
-        """The original exception, marked with its rank and carrying the worker's traceback."""
+        """The original exception (its type and args as raised), marked with its rank and carrying
+        the worker's traceback."""
         exc: BaseException | None = None
         if self.pickled is not None:
             try:
@@ -282,13 +283,15 @@ class ErrorReport:
             return RemoteError(
                 f"[{tag}] {self.summary()}\n\n{self.traceback}", rank=self.rank, type_name=self.type_name
             )
-        if len(exc.args) == 1 and isinstance(exc.args[0], str):
-            exc.args = (f"[{tag}] {exc.args[0]}",)
+        # Its args stay as raised (``except KeyError as e: e.args[0]`` sees the key): the rank is
+        # shown in a note (Python 3.11+) and in the worker's traceback, its cause (every Python).
         with contextlib.suppress(AttributeError, TypeError):
             exc.autoddp_rank = self.rank  # type: ignore[attr-defined]
+            exc.autoddp_world_size = world_size  # type: ignore[attr-defined]
         exc.__cause__ = RemoteTraceback(f"\n\nTraceback of {tag} (the worker that raised):\n{self.traceback}")
         if hasattr(exc, "add_note"):
-            exc.add_note(f"autoddp: raised on {tag}; the worker's traceback is shown above.")
+            with contextlib.suppress(TypeError):  # (__notes__ made something else than a list)
+                exc.add_note(f"autoddp: [{tag}] raised this; the worker's traceback is shown above.")
         return exc
 
 
