@@ -85,17 +85,20 @@ def _prepare_loader(obj: DataLoader) -> DataLoader:
     return shard_loader(obj, current())
 
 
-def prepare_call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def prepare_call(
+    fn: Callable[..., Any], args: tuple, kwargs: dict
+) -> tuple[tuple, dict, list[tuple[torch.nn.Module, torch.optim.Optimizer]]]:
     """``args`` and ``kwargs`` of a call of ``fn`` ready for this process: each prepared, the
     defaults the call leaves out too (passed explicitly where preparing gave a new object), and,
     in a world of several processes, the models that optimizers made before the call train
-    (``_wrap_trained``)."""
+    (``_wrap_trained``); with those models, each beside its optimizer, for the notice."""
     args, kwargs = _with_prepared_defaults(fn, args, kwargs)
     args, kwargs = prepare(args), prepare(kwargs)
+    wrapped: list[tuple[torch.nn.Module, torch.optim.Optimizer]] = []
     if current().world_size > 1:
         reach = _reach(fn, args, kwargs, beyond_arguments=CURRENT.options.capture)
-        _wrap_trained(list(_containers.reachable(reach, _FOUND, skip=_LEAVES)))
-    return args, kwargs
+        wrapped = _wrap_trained(list(_containers.reachable(reach, _FOUND, skip=_LEAVES)))
+    return args, kwargs, wrapped
 
 
 #: What the walk of a call's reach looks for, and what it never goes into.
@@ -161,32 +164,38 @@ def _names(code: types.CodeType) -> set[str]:
     return names
 
 
-def _wrap_trained(found: list[Any]) -> None:
+def _wrap_trained(found: list[Any]) -> list[tuple[torch.nn.Module, torch.optim.Optimizer]]:
     """Wrap, where they are, the models whose parameters the optimizers in ``found`` train (their
     outermost modules in ``found``), so that an optimizer made before the call is an optimizer;
-    say which parameters belong to no model the call reaches."""
+    say which parameters belong to no model the call reaches. Returns each model wrapped here
+    with the (first) optimizer that trains it."""
     from autoddp import models
 
     optimizers = [item for item in found if isinstance(item, torch.optim.Optimizer)]
     if not optimizers:
-        return
+        return []
     modules = [item for item in found if isinstance(item, torch.nn.Module)]
     models.rebind_optimizers(optimizers, modules)  # (over models among the arguments, sharded)
     owner = _outermost(list(modules))
-    roots: dict[int, torch.nn.Module] = {}
+    roots: dict[int, tuple[torch.nn.Module, torch.optim.Optimizer]] = {}
     for optimizer in optimizers:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         orphans = [p for p in params if id(p) not in owner]
-        roots.update((id(owner[id(p)]), owner[id(p)]) for p in params if id(p) in owner)
+        for p in params:
+            if id(p) in owner:
+                roots.setdefault(id(owner[id(p)]), (owner[id(p)], optimizer))
         if orphans:
             _say_orphans(optimizer, orphans)
     world = current()
-    for root in roots.values():
+    wrapped = []
+    for root, optimizer in roots.values():
         if not models.distributed(root):
             models.wrap(root, world, CURRENT.options, move=False, optimizers=optimizers)
+            wrapped.append((root, optimizer))
     for optimizer in optimizers:
         models.bind_optimizer(optimizer)
         models.guard_optimizer(optimizer)
+    return wrapped
 
 
 def _outermost(modules: list[torch.nn.Module]) -> dict[int, torch.nn.Module]:

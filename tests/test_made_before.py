@@ -99,6 +99,15 @@ def test_a_decorated_method_trains_the_model_and_optimizer_its_object_made_befor
     _close(state, _one_process())
 
 
+def test_the_notice_names_a_model_made_before_the_call_and_wrapped(capfd):
+    fork_or_skip()
+    Trainer().fit_forked()
+    err = capfd.readouterr().err
+    # (before: no line for it, and "no optimizer was made over" the model)
+    assert "Sequential (made before the call): DDP across 2 processes, found through the SGD" in err
+    assert err.count("Sequential (made before the call)") == 1  # rank 0 alone says it
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_a_trainer_object_passed_to_a_decorated_function_is_trained_as_one_process(method):
     if method == "fork":

@@ -74,6 +74,19 @@ class Optimizers:
 
         return add_param_group
 
+    def say_made_before(self, root: Any, optimizer: Any) -> None:
+        """The notice's line for a model that an optimizer made before the call trains (wrapped
+        where the call reached it, before capture began)."""
+        session = self.session
+        assert session.notice is not None
+        session.notice.say(
+            ("model", id(root)),
+            f"{type(models.unwrap(root)).__name__} (made before the call): "
+            f"{session.options.strategy.upper()} across {session.world().world_size} processes, found "
+            f"through the {type(optimizer).__name__} made before the call{models.split_note(root)}",
+            subject=root,
+        )
+
     def _distribute_models(self, params: Any) -> Any:
         session = self.session
         items = materialize(params)

@@ -29,7 +29,7 @@ process group is made at the first moment capture needs it (``world``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -172,13 +172,18 @@ class Session:
 
 
 @contextlib.contextmanager
-def capturing(options: RunOptions, world: World) -> Iterator[None]:
-    """Capture for the block when ``world`` has several processes and capture is on (once)."""
+def capturing(
+    options: RunOptions, world: World, made_before: Sequence[tuple[Any, Any]] = ()
+) -> Iterator[None]:
+    """Capture for the block when ``world`` has several processes and capture is on (once);
+    ``made_before``: the models (each with its optimizer) wrapped before the block, said first."""
     if world.world_size <= 1 or not options.capture or CURRENT.capture is not None:
         yield
         return
     session = Session(options, world=world)
     session.install()
+    for model, optimizer in made_before:
+        session.optimizers.say_made_before(model, optimizer)
     try:
         yield
         session.ended_well = True

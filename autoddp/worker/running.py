@@ -66,8 +66,8 @@ def run_in_world(job: Job, world: World, finish: Callable[[Any], Any]) -> Any:
             if world.world_size <= 1:
                 stack.enter_context(models.no_sync_at_one_process())  # (a no-op where nothing syncs)
             with marks.marking(CURRENT.world or world):  # the hang report's record, in watched workers
-                args, kwargs = prepare_call(job.fn, job.args, job.kwargs)
-                with _capturing(job.options, CURRENT.world or world):
+                args, kwargs, made_before = prepare_call(job.fn, job.args, job.kwargs)
+                with _capturing(job.options, CURRENT.world or world, made_before):
                     if world.world_size > 1:
                         kept.install()
                     try:
@@ -83,13 +83,16 @@ def run_in_world(job: Job, world: World, finish: Callable[[Any], Any]) -> Any:
             CURRENT.seeds = outer_seeds
 
 
-def _capturing(options: RunOptions, world: World) -> contextlib.AbstractContextManager[None]:
-    """Capture for the call in a world of several processes (loaded only there)."""
+def _capturing(
+    options: RunOptions, world: World, made_before: list[tuple[Any, Any]]
+) -> contextlib.AbstractContextManager[None]:
+    """Capture for the call in a world of several processes (loaded only there); its notice names
+    the models that optimizers made before the call train (``made_before``, wrapped already)."""
     if world.world_size <= 1 or not options.capture:
         return contextlib.nullcontext()
     from autoddp import capture
 
-    return capture.capturing(options, world)
+    return capture.capturing(options, world, made_before)
 
 
 def _where(fn: Callable[..., Any]) -> tuple[str, int] | None:
