@@ -187,6 +187,29 @@ def test_failures_in_the_body_reach_every_rank(tmp_path):
     assert r0["sum"] == r1["sum"] == 2.0
 
 
+def test_a_collective_in_a_rank0_block_is_the_error_the_caller_gets():
+    @autoddp.distributed(nproc=2)
+    def train():
+        with rank0():
+            dist.all_reduce(torch.ones(1))
+
+    # (before: rank 1's Rank0Error led, rank 0's cause only listed: its name ends in Rank0Error)
+    with pytest.raises(CollectiveInRank0Error, match=r"all_reduce\(\) was called inside the rank0\(\) block"):
+        train()
+
+
+@pytest.mark.unit
+def test_a_collective_refused_in_rank0_is_a_cause_and_rank0error_a_consequence(tmp_path):
+    from autoddp.world import transport
+
+    for rank, error in enumerate([CollectiveInRank0Error("all_reduce() in the block"), Rank0Error("failed")]):
+        transport.save_error(str(tmp_path), rank, error)
+    reports = transport.load_errors(str(tmp_path))
+    # (before: CollectiveInRank0Error's name ends in Rank0Error, so it counted as a consequence and
+    # rank 1's Rank0Error, written first under load, led the caller's error)
+    assert not reports[0].is_consequence and reports[1].is_consequence
+
+
 def test_ranks_out_of_step_are_named():
     @autoddp.distributed(nproc=2)
     def train():

@@ -261,7 +261,8 @@ class ErrorReport:
     def is_consequence(self) -> bool:
         """True for errors caused by another rank's failure: a collective losing its connection,
         or ``Rank0Error`` (rank 0's block failed; rank 0 reports the original)."""
-        return self.type_name.endswith("Rank0Error") or any(m in self.message for m in _CONSEQUENCE_MARKERS)
+        own = self.type_name.rsplit(".", 1)[-1] == "Rank0Error"  # (not CollectiveInRank0Error: a cause)
+        return own or any(m in self.message for m in _CONSEQUENCE_MARKERS)
 
     def summary(self) -> str:
         first_line = self.message.splitlines()[0] if self.message else ""
