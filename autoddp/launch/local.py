@@ -21,7 +21,7 @@ from autoddp.environment import LOOPBACK, preflight
 from autoddp.errors import ConfigurationError, SerializationError, WorkerError
 from autoddp.hang import record as hang_record
 from autoddp.hang.watch import Watch
-from autoddp.launch import diagnostics
+from autoddp.launch import diagnostics, failures
 from autoddp.launch.contract import DEFAULT_ROLE, Contract, worker_envs
 from autoddp.launch.exits import Exits
 from autoddp.launch.failures import first_failure
@@ -175,7 +175,7 @@ def _attempt(
                 if hang_report > 0:  # the workers keep their hang records there
                     env[_variables.HANG_FOLDER] = records
             watch = functools.partial(Watch, records, nproc, hang_report)
-            exits = Exits(folder, nproc)
+            exits = Exits(folder, nproc, returns=returns)
             context, result = supervise(entry, entry_args, envs, method, poll_seconds, logs, watch, exits)
         if result.is_failed() and exits.report({f.local_rank for f in result.failures.values()}):
             if returns and not transport.has_result(folder):
@@ -188,10 +188,26 @@ def _attempt(
                 )
         elif result.is_failed():
             error = first_failure(context, result, folder, nproc, records if hang_report > 0 else "")
+            error = _ended_without_result(exits, context, folder, error)
             traces = diagnostics.keep_traces(folder, output.log_dir)
             if traces is not None:  # (the run folder goes with the run)
                 say(diagnostics.traces_line(traces))
             show_hidden_output(error, result, output.shown(nproc))
             announce_exit(error, nproc)
             raise error
+        gone = exits.without_result(failures.exit_codes(context))
+        if gone:  # (every rank exited at once: elastic saw them all done)
+            raise exits.without_result_error(gone)
         return transport.load_result(folder)
+
+
+def _ended_without_result(exits: Exits, context: Any, folder: str, error: BaseException) -> BaseException:
+    """``error``, or the ranks that ended without their function's result (``Exits.without_result``)
+    where ``error`` only lost them (a peer's connection closed, a timeout): they are the cause."""
+    gone = exits.without_result(failures.exit_codes(context))
+    lead = failures.lead_report(transport.load_errors(folder).values())
+    if not gone or (lead is not None and not (lead.is_consequence or lead.is_timeout)):
+        return error
+    cause = exits.without_result_error(gone)
+    cause.add_note(f"autoddp: the others then lost it: {one_line(error)}")
+    return cause

@@ -8,12 +8,14 @@ import logging
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from autoddp._warn import say
 from autoddp.errors import WorkerError
 from autoddp.launch.exits import Exits
+from autoddp.launch.failures import exit_codes
 
 POLL_SECONDS = 0.05
 _STOP_GRACE_SECONDS = 5
@@ -55,7 +57,7 @@ def supervise(
             )
             ended = exits.watching(context.pids) if exits is not None else contextlib.nullcontext()
             with watch(), ended:
-                return context, context.wait(period=poll_seconds)
+                return context, _wait(context, poll_seconds, exits)
         except SignalException as exc:  # (start_processes closes its workers itself if it fails)
             if context is not None:
                 context.close(timeout=_STOP_GRACE_SECONDS)
@@ -65,6 +67,20 @@ def supervise(
                 context.close(timeout=_STOP_GRACE_SECONDS)
             raise
     raise Stopped(stopped_by)  # the run's folders go on the way out; ``acting_on_signals`` acts
+
+
+def _wait(context: Any, poll_seconds: float, exits: Exits | None) -> Any:
+    """Elastic's wait, also stopping at a worker that ended without its function's result
+    (``Exits.without_result``: elastic would wait for it forever under fork)."""
+    while True:
+        result = context.wait(timeout=0)
+        if result is not None:
+            return result
+        if exits is not None and exits.returns:
+            gone = exits.without_result(exit_codes(context))
+            if gone:
+                raise exits.without_result_error(gone)
+        time.sleep(poll_seconds)
 
 
 class Stopped(BaseException):
