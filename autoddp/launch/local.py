@@ -116,7 +116,7 @@ def launch_script(
             return sys.executable, {r: ("-m", "autoddp.worker.script", *argv) for r in range(nproc)}
 
     contract = Contract(nproc, role, max_restarts, store[0])
-    with acting_on_signals():
+    with acting_on_signals(for_good=True):  # (the command's process: it ends next)
         _with_restarts(workers, contract, method, poll_seconds, output, hang_report, store[1])
 
 
