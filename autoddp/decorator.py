@@ -52,7 +52,7 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     interpreters otherwise),
     ``"fork"`` or ``"spawn"`` (fresh interpreters that receive the function by value; unlike
     multiprocessing's spawn, never re-import ``__main__``). ``timeout``: seconds a collective
-    may wait before failing (torch's default when unset). ``max_restarts``: start the whole
+    may wait before failing (torch's default when unset; ``float("inf")``: no timeout). ``max_restarts``: start the whole
     group again this many times after a worker fails (the workers see
     ``TORCHELASTIC_RESTART_COUNT``; resume with ``autoddp.load(path, default=None)``).
     ``nnodes``/``node_rank``/``master="host:port"``: run on several machines (call the function
@@ -88,7 +88,7 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     ``hang_report``: when some ranks have waited in a collective (or for rank 0's ``rank0()``
     block) this many seconds while others are elsewhere, the console says which ranks wait,
     where, and shows the Python stack of each rank that has not arrived; the run goes on
-    (default 60; 0 turns it off).
+    (default 60; 0 or ``float("inf")`` turns it off).
     """
     checked = Options.from_keywords(options)
     if fn is None:

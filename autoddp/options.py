@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import difflib
 import inspect
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,7 +60,8 @@ class Options:
     )
     timeout: float | datetime.timedelta | None = option(
         None,
-        "Seconds a collective may wait before the run fails.  [default: 10 minutes on GPUs, 30 on CPU]",
+        "Seconds a collective may wait before the run fails; inf: no timeout (torch's longest, 10 years).  "
+        "[default: 10 minutes on GPUs, 30 on CPU]",
         "--timeout",
         metavar="SECONDS",
         type=float,
@@ -152,7 +154,7 @@ class Options:
     hang_report: float = option(
         hang_record.DEFAULT_SECONDS,
         "When ranks have waited this long in a collective for others, say which rank is late and where "
-        "(its stack); the run goes on. 0 turns it off.",
+        "(its stack); the run goes on. 0 (or inf) turns it off.",
         "--hang-report",
         "--hang_report",
         metavar="SECONDS",
@@ -194,6 +196,8 @@ class Options:
                 f"hang_report={self.hang_report!r} must be a number of seconds >= 0: how long ranks may "
                 "wait for another before autoddp says which rank and where (e.g. hang_report=120; 0: off)"
             )
+        if math.isinf(self.hang_report):  # never: off, without a watch that never speaks
+            object.__setattr__(self, "hang_report", 0.0)
         if self.split_batches is True and self.strategy != "ddp":
             raise ConfigurationError(
                 f"split_batches=True works with strategy='ddp' only (not {self.strategy!r}) so far: "

@@ -4,18 +4,23 @@ loaded under another name, standard input, and integer options of other types. R
 
 from __future__ import annotations
 
+import datetime
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
+from click.testing import CliRunner
 from helpers import gone
 
 import autoddp
-from autoddp import WorkerError
-from conftest import write
+from autoddp import ConfigurationError, WorkerError, cli
+from autoddp.options import Options
+from autoddp.world import process_group
+from conftest import run_python, write
 
 # --- a worker that ends without its function's result ----------------------------------------
 
@@ -91,3 +96,77 @@ def _worker_pids(folder, count: int = 2, timeout: float = 60) -> list[int]:
             return [int(f.read_text()) for f in files]
         time.sleep(0.05)
     raise AssertionError("workers did not start")
+
+
+# --- seconds that are no number of seconds ----------------------------------------------------
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "options, says",
+    [
+        ({"timeout": float("nan")}, "timeout=nan is not a positive number of seconds"),
+        ({"timeout": 1e300}, "longer than torch's process groups can wait"),
+        ({"timeout": datetime.timedelta(days=10**6)}, "longer than torch's process groups can wait"),
+        ({"hang_report": float("nan")}, "hang_report=nan must be a number of seconds"),
+        ({"join_timeout": float("inf"), "nnodes": 2, "node_rank": 0, "master": "127.0.0.1:29500"}, "at most"),
+    ],
+)
+def test_seconds_that_are_no_number_of_seconds_are_a_configuration_error(options, says):
+    with pytest.raises(ConfigurationError, match=re.escape(says)):
+        autoddp.distributed(**options)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--timeout", "nan"], "'nan' is not a number of seconds"),
+        (["--timeout", "1e300"], "--timeout 1e+300 is longer than torch's process groups can wait"),
+        (["--hang-report", "nan"], "'nan' is not a number of seconds"),
+        (["--monitor-interval", "inf"], "'inf' is not a finite number of seconds"),
+        (["--monitor-interval", "nan"], "'nan' is not a finite number of seconds"),
+        (["--join-timeout", "inf"], "--join-timeout inf must be a number of seconds > 0"),
+    ],
+)
+def test_the_command_says_a_bad_number_of_seconds_in_one_line(tmp_path, args, says):
+    script = write(tmp_path / "s.py", "")
+    done = CliRunner().invoke(cli.main, ["-n", "2", *args, str(script)])
+    assert done.exit_code == 2 and done.output.count("\n") == 1 and says in done.output, done.output
+
+
+@pytest.mark.unit
+def test_an_infinite_hang_report_is_off():
+    assert Options(hang_report=float("inf")).hang_report == 0
+
+
+def _timeout_given() -> float:
+    import torch.distributed as dist
+
+    from autoddp.state import CURRENT
+
+    if dist.get_rank() == 1:
+        time.sleep(1)  # a late rank: the others wait for it, as with any timeout
+    dist.barrier()
+    return CURRENT.timeout.total_seconds()
+
+
+@pytest.mark.timeout(90)
+def test_an_infinite_timeout_is_no_timeout():
+    call = autoddp.distributed(nproc=2, timeout=float("inf"))(_timeout_given)
+    assert call() == process_group.LONGEST_TIMEOUT.total_seconds() == 10 * 365 * 24 * 3600
+
+
+BARRIER = """
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    dist.barrier()
+    print("through", dist.get_rank())
+"""
+
+
+@pytest.mark.timeout(90)
+def test_the_commands_timeout_inf_runs_with_no_timeout(tmp_path):
+    script = write(tmp_path / "barrier.py", BARRIER)
+    proc = run_python(["-m", "autoddp.cli", "-n", "2", "--timeout", "inf", str(script)], cwd=tmp_path)
+    assert proc.returncode == 0 and "through 0" in proc.stdout, proc.stderr

@@ -83,6 +83,10 @@ def plan(
     )
 
 
+#: The longest join timeout taken (an infinite or huge one overflows the store's clock).
+_LONGEST_JOIN = 365 * 24 * 3600.0
+
+
 def _join_timeout(given: float | None, in_conf: str | None) -> float:
     """``join_timeout=`` (``--join-timeout``), or ``--rdzv-conf join_timeout=``: the same setting."""
     if in_conf is not None:
@@ -100,9 +104,10 @@ def _join_timeout(given: float | None, in_conf: str | None) -> float:
         given = conf
     if given is None:
         return DEFAULT_JOIN_TIMEOUT
-    if isinstance(given, bool) or not isinstance(given, (int, float)) or not given > 0:
+    if isinstance(given, bool) or not isinstance(given, (int, float)) or not 0 < given <= _LONGEST_JOIN:
         raise ConfigurationError(
-            f"join_timeout={given!r} must be a number of seconds > 0: how long the machines of a run "
+            f"join_timeout={given!r} must be a number of seconds > 0 (at most {_LONGEST_JOIN:.0f}, a year): "
+            "how long the machines of a run "
             f"wait for each other to join (e.g. join_timeout=600)  [default: {DEFAULT_JOIN_TIMEOUT:g}]"
         )
     return float(given)
