@@ -5,6 +5,7 @@ loaded under another name, standard input, and integer options of other types. R
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import re
 import signal
@@ -170,3 +171,38 @@ def test_the_commands_timeout_inf_runs_with_no_timeout(tmp_path):
     script = write(tmp_path / "barrier.py", BARRIER)
     proc = run_python(["-m", "autoddp.cli", "-n", "2", "--timeout", "inf", str(script)], cwd=tmp_path)
     assert proc.returncode == 0 and "through 0" in proc.stdout, proc.stderr
+
+
+# --- the script's __file__ and __package__, as python sets them --------------------------------
+
+SHOWS_ITS_NAMES = """
+    import json, os, sys
+    os.chdir(os.path.dirname(os.path.abspath(sys.argv[0])))  # (the script's own folder)
+    here = os.path.dirname(__file__)  # after a chdir: only an absolute __file__ still finds the data
+    with open(os.path.join(here, "data.txt")) as f:
+        data = f.read()
+    names = {"file": __file__, "package": __package__, "spec": __spec__ and __spec__.name, "data": data}
+    if os.environ.get("RANK", "0") == "0":
+        print("NAMES", json.dumps(names))
+"""
+
+
+def _names(proc) -> dict:
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("NAMES"))[6:])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_the_scripts_file_and_package_are_pythons(tmp_path, start_method):
+    (tmp_path / "job").mkdir()
+    write(tmp_path / "job" / "show.py", SHOWS_ITS_NAMES)
+    write(tmp_path / "job" / "data.txt", "beside the script")
+    write(tmp_path / "job" / "__init__.py", "")
+    plain = _names(run_python([os.path.join("job", "show.py")], cwd=tmp_path))
+    assert plain["file"] == str(tmp_path / "job" / "show.py") and plain["package"] is None  # (python 3.9+)
+    command = ["-m", "autoddp.cli", "-n", "2", "--start-method", start_method]
+    assert _names(run_python([*command, os.path.join("job", "show.py")], cwd=tmp_path)) == plain
+    as_module = _names(run_python(["-m", "job.show"], cwd=tmp_path))
+    assert as_module["package"] == "job" and as_module["spec"] == "job.show"
+    assert _names(run_python([*command, "-m", "job.show"], cwd=tmp_path)) == as_module

@@ -18,17 +18,22 @@ its collectives are marked for the hang report (``autoddp.hang.marks``).
 from __future__ import annotations
 
 import atexit
+import builtins
 import contextlib
 import dataclasses
 import datetime
 import gc
+import importlib.machinery
 import inspect
+import io
 import json
 import os
 import runpy
 import signal
 import sys
 import threading
+import types
+import zipfile
 from typing import Any
 
 import torch
@@ -56,7 +61,34 @@ def _run(argv: list[str]) -> None:
         path, rest = argv[0], argv[1:]
         sys.argv = [path, *rest]
         sys.path[0] = os.path.dirname(os.path.abspath(path))
-        runpy.run_path(path, run_name="__main__")
+        if os.path.isfile(path) and not zipfile.is_zipfile(path):
+            _run_file(os.path.abspath(path))
+        else:  # a folder or a zip with __main__.py
+            runpy.run_path(path, run_name="__main__")
+
+
+def _run_file(path: str) -> None:
+    """Run the script at ``path`` (absolute) as ``python path`` does: in a fresh ``__main__``
+    whose ``__file__`` is absolute (so ``os.path.dirname(__file__)`` survives an ``os.chdir``),
+    ``__package__`` and ``__spec__`` None. (``runpy.run_path`` keeps the path as typed and sets
+    ``__package__`` to ''.)"""
+    with io.open_code(path) as handle:
+        code = compile(handle.read(), path, "exec", dont_inherit=True)
+    module = types.ModuleType("__main__")
+    module.__dict__.update(
+        __file__=path,
+        __cached__=None,
+        __package__=None,
+        __spec__=None,
+        __loader__=importlib.machinery.SourceFileLoader("__main__", path),
+        __builtins__=builtins,
+    )
+    previous = sys.modules["__main__"]
+    sys.modules["__main__"] = module
+    try:
+        exec(code, module.__dict__)
+    finally:
+        sys.modules["__main__"] = previous
 
 
 class _ScriptWorld:
