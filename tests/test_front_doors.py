@@ -5,6 +5,7 @@ loaded under another name, standard input, and integer options of other types. R
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import cloudpickle
 import pytest
 from click.testing import CliRunner
 from helpers import gone
@@ -206,3 +208,42 @@ def test_the_scripts_file_and_package_are_pythons(tmp_path, start_method):
     as_module = _names(run_python(["-m", "job.show"], cwd=tmp_path))
     assert as_module["package"] == "job" and as_module["spec"] == "job.show"
     assert _names(run_python([*command, "-m", "job.show"], cwd=tmp_path)) == as_module
+
+
+# --- a function of a module loaded under another name ----------------------------------------
+
+ELSEWHERE = """
+    import torch
+    import autoddp
+
+    class Scale:
+        def __init__(self, by):
+            self.by = by
+
+    def helper(x):
+        return x * Scale(2.0).by
+
+    @autoddp.distributed(nproc=2, start_method="spawn")
+    def train(x):
+        out = torch.tensor([helper(x)])
+        autoddp.barrier()
+        return out, Scale(3.0).by
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("registered", [True, False])
+def test_a_function_of_a_module_loaded_under_another_name_runs_in_fresh_interpreters(tmp_path, registered):
+    path = write(tmp_path / "file_name.py", ELSEWHERE)
+    name = f"loaded_as_another_name_{registered}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    if registered:  # (as importlib's recipe does)
+        sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+        out, by = module.train(1.5)
+    finally:
+        sys.modules.pop(name, None)
+    assert out.tolist() == [3.0] and by == 3.0
+    assert name not in cloudpickle.list_registry_pickle_by_value()  # (given back)
