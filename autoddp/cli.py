@@ -163,8 +163,8 @@ def main(script: str | None, script_args: tuple[str, ...], **flags: Any) -> None
             flags["local_addr"],
             flags["join_timeout"],
         )
+        store = launch_plan.one_node_store(*given)  # (before the options: it names --rdzv-endpoint)
         settings = _options(flags, count, master)  # (after the plan: it names --rdzv-endpoint)
-        store = launch_plan.one_node_store(*given)
         output = settings.output
         output.shown(count)  # local ranks: the same on one machine and on each of several
     except ConfigurationError as error:

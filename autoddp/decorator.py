@@ -15,6 +15,7 @@ from autoddp import options as options_list
 from autoddp._prepare import prepare
 from autoddp.environment import hardware
 from autoddp.errors import ConfigurationError
+from autoddp.launch import plan as launch_plan
 from autoddp.options import Options
 from autoddp.worker.running import Job, run_in_world
 from autoddp.world import process_group, streams
@@ -52,11 +53,12 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     interpreters otherwise),
     ``"fork"`` or ``"spawn"`` (fresh interpreters that receive the function by value; unlike
     multiprocessing's spawn, never re-import ``__main__``). ``timeout``: seconds a collective
-    may wait before failing (torch's default when unset; ``float("inf")``: no timeout). ``max_restarts``: start the whole
-    group again this many times after a worker fails (the workers see
+    may wait before failing (torch's default when unset; ``float("inf")``: no timeout).
+    ``max_restarts``: start the whole group again this many times after a worker fails (the workers see
     ``TORCHELASTIC_RESTART_COUNT``; resume with ``autoddp.load(path, default=None)``).
     ``nnodes``/``node_rank``/``master="host:port"``: run on several machines (call the function
-    on each, with its own ``node_rank``; node 0 hosts the rendezvous at ``master``); the result
+    on each, with its own ``node_rank``; node 0 hosts the rendezvous at ``master``; on one machine
+    ``master`` is where its store listens, as torchrun's ``--master-addr``); the result
     is rank 0's on node 0 and None elsewhere. ``rdzv_backend="c10d"``: torchrun's dynamic
     rendezvous at ``master`` instead (no ``node_rank``; ``nnodes="MIN:MAX"`` for an elastic
     range); the machine whose worker became rank 0 gets the result. ``ranks``: whose output
@@ -152,6 +154,7 @@ def _call(options: Options, wrapped: Callable[..., Any], instance: Any, args: tu
         job,
         nproc=nproc,
         start_method=options.start_method,
+        store=launch_plan.one_node_store(options.master, None, None),  # (as torchrun's --master-addr)
         max_restarts=options.max_restarts,
         output=options.output,
         hang_report=options.hang_report,

@@ -14,6 +14,7 @@ import datetime
 import difflib
 import inspect
 import math
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -90,7 +91,10 @@ class Options:
         type=int,
     )
     master: str | None = option(
-        None, "Node 0's HOST:PORT, where the rendezvous store is.", "--master", metavar="HOST:PORT"
+        None,
+        "Node 0's HOST:PORT, where the rendezvous store is (one machine: where its store listens).",
+        "--master",
+        metavar="HOST:PORT",
     )
     rdzv_backend: str | None = option(
         None,
@@ -162,7 +166,11 @@ class Options:
     )
 
     def __post_init__(self) -> None:
+        for name in ("nproc", "max_restarts", "node_rank", "nnodes"):  # numpy.int64(2) is 2
+            object.__setattr__(self, name, _whole(getattr(self, name)))
         self.nodes  # noqa: B018 - checks the multi-node options at decoration time
+        if self.master is not None and not self.nodes.multi:  # one machine: where its store listens
+            launch_plan.one_node_store(self.master, None, None)
         if self.nproc is not None and (
             isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1
         ):
@@ -253,6 +261,17 @@ class Options:
                 "or backend='gloo' to run CPU processes"
             )
         return self.nproc
+
+
+def _whole(value: Any) -> Any:
+    """``value`` as an ``int`` when it is a whole number of another type (``numpy.int64``, anything
+    ``operator.index`` takes; never a bool), else unchanged (for the option's own check)."""
+    if isinstance(value, (bool, int, str)) or value is None:
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,9 +15,10 @@ import sys
 import time
 
 import cloudpickle
+import numpy
 import pytest
 from click.testing import CliRunner
-from helpers import gone
+from helpers import free_port, gone
 
 import autoddp
 from autoddp import ConfigurationError, WorkerError, cli
@@ -247,3 +248,34 @@ def test_a_function_of_a_module_loaded_under_another_name_runs_in_fresh_interpre
         sys.modules.pop(name, None)
     assert out.tolist() == [3.0] and by == 3.0
     assert name not in cloudpickle.list_registry_pickle_by_value()  # (given back)
+
+
+# --- master= on one machine; whole numbers of other types ----------------------------------------
+
+
+def _store_address() -> tuple[str, str, int]:
+    return os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], int(os.environ["WORLD_SIZE"])
+
+
+@pytest.mark.timeout(90)
+def test_master_on_one_machine_is_where_its_store_listens_and_nproc_takes_numpy_integers():
+    port = free_port()
+    call = autoddp.distributed(nproc=numpy.int64(2), max_restarts=numpy.int32(0), master=f"127.0.0.1:{port}")(
+        _store_address
+    )
+    assert call() == ("127.0.0.1", str(port), 2)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "options, says",
+    [
+        ({"master": "nohostport"}, "master='nohostport' is not HOST:PORT"),
+        ({"nproc": True}, "nproc=True is not a positive whole number"),
+        ({"nproc": 2.0}, "nproc=2.0 is not a positive whole number"),
+        ({"nproc": numpy.int64(0)}, "nproc=0 is not a positive whole number"),
+    ],
+)
+def test_a_bad_master_or_process_count_is_a_configuration_error(options, says):
+    with pytest.raises(ConfigurationError, match=re.escape(says)):
+        autoddp.distributed(**options)

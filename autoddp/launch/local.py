@@ -45,8 +45,11 @@ def launch_function(
     max_restarts: int = 0,
     output: Output | None = None,
     hang_report: float = hang_record.DEFAULT_SECONDS,
+    store: tuple[str, int | None] = (LOOPBACK, None),
 ) -> Any:
     """Run ``job`` in ``nproc`` new workers; return rank 0's result.
+
+    ``store``: the address and port its store listens on (``master=``; no port: a free one).
 
     After a failure the whole group starts again, up to ``max_restarts`` times (not for errors
     that would only repeat: a bad configuration, something that cannot be pickled). Ranks that
@@ -74,9 +77,11 @@ def launch_function(
         def workers(folder: str) -> tuple[Any, dict[int, tuple]]:
             return process.run_job_forked, {r: (job, folder) for r in range(nproc)}
 
-    contract = Contract(nproc, max_restarts=max_restarts)
+    contract = Contract(nproc, max_restarts=max_restarts, host=store[0])
     with acting_on_signals():
-        return _with_restarts(workers, contract, method, output=output, hang_report=hang_report, returns=True)
+        return _with_restarts(
+            workers, contract, method, output=output, hang_report=hang_report, port=store[1], returns=True
+        )
 
 
 def launch_script(
