@@ -61,9 +61,12 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     ``master`` is where its store listens, as torchrun's ``--master-addr``); the result
     is rank 0's on node 0 and None elsewhere. ``rdzv_backend="c10d"``: torchrun's dynamic
     rendezvous at ``master`` instead (no ``node_rank``; ``nnodes="MIN:MAX"`` for an elastic
-    range); the machine whose worker became rank 0 gets the result. ``ranks``: whose output
-    reaches the console: ``"0"`` (default), ``"all"`` (lines prefixed ``[rank N]``) or local
-    ranks like ``"0,1"``; every rank's output is also written to files under ``log_dir``.
+    range); the machine whose worker became rank 0 gets the result. Standard input goes to rank 0
+    (as under torchrun; the others read an empty one), from where the caller stopped reading a
+    file; from a pipe, what the caller's ``sys.stdin`` already read ahead stays the caller's.
+    ``ranks``: whose output reaches the console: ``"0"`` (default), ``"all"`` (lines prefixed
+    ``[rank N]``) or local ranks like ``"0,1"``; every rank's output is also written to files
+    under ``log_dir``.
 
     Models and DataLoaders among the arguments are prepared (see ``autoddp.prepare``): models
     are moved to the process's device and wrapped in DDP (``ddp=`` passes keyword arguments

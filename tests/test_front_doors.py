@@ -279,3 +279,65 @@ def test_master_on_one_machine_is_where_its_store_listens_and_nproc_takes_numpy_
 def test_a_bad_master_or_process_count_is_a_configuration_error(options, says):
     with pytest.raises(ConfigurationError, match=re.escape(says)):
         autoddp.distributed(**options)
+
+
+# --- standard input -----------------------------------------------------------------------
+
+READS_ON = """
+    import sys
+    import autoddp
+
+    first = sys.stdin.readline()
+
+    @autoddp.distributed(nproc=2, start_method=sys.argv[1])
+    def rest(read):
+        return sys.stdin.read() if read and autoddp.rank() == 0 else None
+
+    print("RANK0", repr(rest(sys.argv[2] == "read")))
+    print("CALLER", repr(first), repr(sys.stdin.read()))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_rank_0_reads_on_where_the_caller_stopped_and_the_caller_keeps_what_it_read_ahead(
+    tmp_path, start_method
+):
+    script = write(tmp_path / "reads_on.py", READS_ON)
+    (tmp_path / "input.txt").write_text("a\nb\nc\n")
+    with open(tmp_path / "input.txt") as file:  # a file: rank 0 reads on after the caller's line
+        done = subprocess.run(
+            [sys.executable, str(script), start_method, "read"], stdin=file, capture_output=True, text=True
+        )
+    assert done.returncode == 0, done.stderr
+    assert "RANK0 'b\\nc\\n'" in done.stdout and "CALLER 'a\\n' ''" in done.stdout, done.stdout
+    # a pipe: what the caller read ahead is not lost; it stays the caller's
+    piped = run_python([str(script), start_method, "leave"], stdin="a\nb\nc\n")
+    assert piped.returncode == 0, piped.stderr
+    assert "RANK0 None" in piped.stdout and "CALLER 'a\\n' 'b\\nc\\n'" in piped.stdout, piped.stdout
+
+
+ASKS = """
+    answer = input()
+    print("ANSWER", answer)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_script_that_reads_standard_input_on_every_rank_is_told_it_goes_to_rank_0(tmp_path):
+    script = write(tmp_path / "asks.py", ASKS)
+    proc = run_python(["-m", "autoddp.cli", "-n", "2", str(script)], stdin="yes\n", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "EOFError" in proc.stderr
+    assert "standard input goes to rank 0 only, as under torchrun; rank 1 reads an empty one" in proc.stderr
+
+
+def _asks() -> str:
+    return input()
+
+
+@pytest.mark.timeout(120)
+def test_a_function_that_reads_standard_input_on_every_rank_is_told_it_goes_to_rank_0():
+    with pytest.raises(EOFError) as raised:
+        autoddp.distributed(nproc=2, start_method="fork")(_asks)()
+    assert any("standard input goes to rank 0 only" in note for note in raised.value.__notes__)

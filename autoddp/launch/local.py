@@ -29,7 +29,7 @@ from autoddp.launch.output import Output, announce_exit, show_hidden_output
 from autoddp.launch.start_method import choose_start_method, preload_for_forked_workers
 from autoddp.launch.store import loopback_store
 from autoddp.launch.supervise import POLL_SECONDS, acting_on_signals, supervise
-from autoddp.worker import process
+from autoddp.worker import process, stdin
 from autoddp.worker.running import Job
 from autoddp.world import transport
 
@@ -64,6 +64,7 @@ def launch_function(
             f"autoddp starts its workers as fresh interpreters (start_method='spawn') because {reason}; "
             "the function and its arguments are sent to them by value."
         )
+    stdin.give_back_read_ahead()  # (rank 0 reads on where the caller stopped)
     if method == "spawn":  # pickle once, before anything starts: an unpicklable argument fails here
         payload = transport.dumps_job(job, job.fn, job.args, job.kwargs)
 

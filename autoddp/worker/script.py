@@ -45,7 +45,7 @@ from autoddp._warn import say
 from autoddp.environment import hardware, preflight
 from autoddp.hang import marks
 from autoddp.state import RunOptions, World
-from autoddp.worker import process
+from autoddp.worker import process, stdin
 from autoddp.world import finished, process_group, stdout, transport
 from autoddp.world.kept_groups import KeptGroups
 from autoddp.world.placement import own_gpu
@@ -220,6 +220,7 @@ def main(leave_groups_at_exit: bool = True, kept: KeptGroups | None = None) -> N
     except KeyboardInterrupt:  # the launcher passes Ctrl-C on and reports it once, for everyone
         sys.exit(128 + 2)
     except BaseException as exc:
+        stdin.note_eof(exc, int(os.environ.get("RANK", "0")) if run_folder else 0)
         ErrorHandler().record_exception(exc)
         folder = os.environ.get(_variables.RUN_FOLDER)
         if folder:
