@@ -55,6 +55,8 @@ def plan(
                     f"{flag} is for a run on several machines (--nnodes N); one machine has no rendezvous "
                     "to configure: drop it"
                 )
+        if master:  # one machine: where its store listens (as torchrun's --master-addr)
+            one_node_store(master, None, None)
         return Nodes()
     backend = rdzv_backend or ("c10d" if rdzv_endpoint and not master else "static")
     if backend not in RDZV_BACKENDS:
