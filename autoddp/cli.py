@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -28,14 +29,30 @@ _CONTEXT = {
     "allow_interspersed_args": False,
 }
 
+
+class _Seconds(click.FloatRange):
+    """A number of seconds in a range, never NaN (click's range lets NaN through: it compares
+    false to every bound); ``inf`` only where ``infinite`` (it means "never")."""
+
+    def __init__(self, *, infinite: bool, **bounds: Any) -> None:
+        super().__init__(**bounds)
+        self.infinite = infinite
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        seconds = super().convert(value, param, ctx)
+        if math.isnan(seconds) or (math.isinf(seconds) and not self.infinite):
+            self.fail(f"{value!r} is not a {'' if self.infinite else 'finite '}number of seconds", param, ctx)
+        return seconds
+
+
 #: Flags whose values are checked more narrowly than their type says (click's own one-line error).
 _RANGES = {
     "max_restarts": click.IntRange(min=0),
-    "monitor_interval": click.FloatRange(min=0.01),
+    "monitor_interval": _Seconds(min=0.01, infinite=False),
     "node_rank": click.IntRange(min=0),
     "master_port": click.IntRange(1, 65535),
-    "hang_report": click.FloatRange(min=0),
-    "timeout": click.FloatRange(min=0, min_open=True),
+    "hang_report": _Seconds(min=0, infinite=True),
+    "timeout": _Seconds(min=0, min_open=True, infinite=True),
 }
 
 
@@ -146,8 +163,8 @@ def main(script: str | None, script_args: tuple[str, ...], **flags: Any) -> None
             flags["local_addr"],
             flags["join_timeout"],
         )
+        store = launch_plan.one_node_store(*given)  # (before the options: it names --rdzv-endpoint)
         settings = _options(flags, count, master)  # (after the plan: it names --rdzv-endpoint)
-        store = launch_plan.one_node_store(*given)
         output = settings.output
         output.shown(count)  # local ranks: the same on one machine and on each of several
     except ConfigurationError as error:

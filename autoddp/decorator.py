@@ -15,6 +15,7 @@ from autoddp import options as options_list
 from autoddp._prepare import prepare
 from autoddp.environment import hardware
 from autoddp.errors import ConfigurationError
+from autoddp.launch import plan as launch_plan
 from autoddp.options import Options
 from autoddp.worker.running import Job, run_in_world
 from autoddp.world import process_group, streams
@@ -52,16 +53,20 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     interpreters otherwise),
     ``"fork"`` or ``"spawn"`` (fresh interpreters that receive the function by value; unlike
     multiprocessing's spawn, never re-import ``__main__``). ``timeout``: seconds a collective
-    may wait before failing (torch's default when unset). ``max_restarts``: start the whole
-    group again this many times after a worker fails (the workers see
+    may wait before failing (torch's default when unset; ``float("inf")``: no timeout).
+    ``max_restarts``: start the whole group again this many times after a worker fails (the workers see
     ``TORCHELASTIC_RESTART_COUNT``; resume with ``autoddp.load(path, default=None)``).
     ``nnodes``/``node_rank``/``master="host:port"``: run on several machines (call the function
-    on each, with its own ``node_rank``; node 0 hosts the rendezvous at ``master``); the result
+    on each, with its own ``node_rank``; node 0 hosts the rendezvous at ``master``; on one machine
+    ``master`` is where its store listens, as torchrun's ``--master-addr``); the result
     is rank 0's on node 0 and None elsewhere. ``rdzv_backend="c10d"``: torchrun's dynamic
     rendezvous at ``master`` instead (no ``node_rank``; ``nnodes="MIN:MAX"`` for an elastic
-    range); the machine whose worker became rank 0 gets the result. ``ranks``: whose output
-    reaches the console: ``"0"`` (default), ``"all"`` (lines prefixed ``[rank N]``) or local
-    ranks like ``"0,1"``; every rank's output is also written to files under ``log_dir``.
+    range); the machine whose worker became rank 0 gets the result. Standard input goes to rank 0
+    (as under torchrun; the others read an empty one), from where the caller stopped reading a
+    file; from a pipe, what the caller's ``sys.stdin`` already read ahead stays the caller's.
+    ``ranks``: whose output reaches the console: ``"0"`` (default), ``"all"`` (lines prefixed
+    ``[rank N]``) or local ranks like ``"0,1"``; every rank's output is also written to files
+    under ``log_dir``.
 
     Models and DataLoaders among the arguments are prepared (see ``autoddp.prepare``): models
     are moved to the process's device and wrapped in DDP (``ddp=`` passes keyword arguments
@@ -90,7 +95,7 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     ``hang_report``: when some ranks have waited in a collective (or for rank 0's ``rank0()``
     block) this many seconds while others are elsewhere, the console says which ranks wait,
     where, and shows the Python stack of each rank that has not arrived; the run goes on
-    (default 60; 0 turns it off).
+    (default 60; 0 or ``float("inf")`` turns it off).
     """
     checked = Options.from_keywords(options)
     if fn is None:
@@ -155,6 +160,7 @@ def _call(options: Options, wrapped: Callable[..., Any], instance: Any, args: tu
         job,
         nproc=nproc,
         start_method=options.start_method,
+        store=launch_plan.one_node_store(options.master, None, None),  # (as torchrun's --master-addr)
         max_restarts=options.max_restarts,
         output=options.output,
         hang_report=options.hang_report,

@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import difflib
 import inspect
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,7 +60,8 @@ class Options:
     )
     timeout: float | datetime.timedelta | None = option(
         None,
-        "Seconds a collective may wait before the run fails.  [default: 10 minutes on GPUs, 30 on CPU]",
+        "Seconds a collective may wait before the run fails; inf: no timeout (torch's longest, 10 years).  "
+        "[default: 10 minutes on GPUs, 30 on CPU]",
         "--timeout",
         metavar="SECONDS",
         type=float,
@@ -88,7 +90,10 @@ class Options:
         type=int,
     )
     master: str | None = option(
-        None, "Node 0's HOST:PORT, where the rendezvous store is.", "--master", metavar="HOST:PORT"
+        None,
+        "Node 0's HOST:PORT, where the rendezvous store is (one machine: where its store listens).",
+        "--master",
+        metavar="HOST:PORT",
     )
     rdzv_backend: str | None = option(
         None,
@@ -152,7 +157,7 @@ class Options:
     hang_report: float = option(
         hang_record.DEFAULT_SECONDS,
         "When ranks have waited this long in a collective for others, say which rank is late and where "
-        "(its stack); the run goes on. 0 turns it off.",
+        "(its stack); the run goes on. 0 (or inf) turns it off.",
         "--hang-report",
         "--hang_report",
         metavar="SECONDS",
@@ -160,10 +165,10 @@ class Options:
     )
 
     def __post_init__(self) -> None:
+        for name in ("nproc", "max_restarts", "node_rank", "nnodes"):  # numpy.int64(2) is 2
+            object.__setattr__(self, name, _whole(getattr(self, name)))
         self.nodes  # noqa: B018 - checks the multi-node options at decoration time
-        if self.nproc is not None and (
-            isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1
-        ):
+        if self.nproc is not None and not _at_least(self.nproc, 1):
             raise ConfigurationError(
                 f"nproc={self.nproc!r} is not a positive whole number of processes; pass e.g. "
                 "nproc=2, or leave it unset for one process per visible GPU (1 without GPUs)"
@@ -174,26 +179,14 @@ class Options:
                 f"unknown start_method={self.start_method!r}: use 'auto' (default), 'fork' or 'spawn'"
             )
         process_group.as_timeout(self.timeout)
-        if (
-            isinstance(self.max_restarts, bool)
-            or not isinstance(self.max_restarts, int)
-            or self.max_restarts < 0
-        ):
+        if not _at_least(self.max_restarts, 0):
             raise ConfigurationError(
                 f"max_restarts={self.max_restarts!r} must be a whole number >= 0 (restarts after a failure)"
             )
         models.check_options(
             self.strategy, self.ddp, self.fsdp_blocks, self.mixed_precision, self.cpu_offload
         )
-        if (
-            isinstance(self.hang_report, bool)
-            or not isinstance(self.hang_report, (int, float))
-            or not self.hang_report >= 0
-        ):
-            raise ConfigurationError(
-                f"hang_report={self.hang_report!r} must be a number of seconds >= 0: how long ranks may "
-                "wait for another before autoddp says which rank and where (e.g. hang_report=120; 0: off)"
-            )
+        object.__setattr__(self, "hang_report", hang_record.checked_seconds(self.hang_report))
         if self.split_batches is True and self.strategy != "ddp":
             raise ConfigurationError(
                 f"split_batches=True works with strategy='ddp' only (not {self.strategy!r}) so far: "
@@ -249,6 +242,17 @@ class Options:
                 "or backend='gloo' to run CPU processes"
             )
         return self.nproc
+
+
+def _whole(value: Any) -> Any:
+    """``value`` as an ``int`` where ``operator.index`` takes it (not a bool), else unchanged."""
+    indexable = hasattr(type(value), "__index__") and not isinstance(value, bool)
+    return operator.index(value) if indexable else value
+
+
+def _at_least(value: Any, least: int) -> bool:
+    """Whether ``value`` is a whole number (not a bool) of at least ``least``."""
+    return type(value) is int and value >= least
 
 
 @dataclasses.dataclass(frozen=True)

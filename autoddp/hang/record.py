@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import mmap
 import os
 import signal
@@ -22,9 +23,22 @@ import threading
 from autoddp._compat import COLLECTIVES, DDP_BUFFER_BROADCAST
 from autoddp._compat.collectives import FUNCTIONAL_COLLECTIVES
 from autoddp._leftovers import private_folder
+from autoddp.errors import ConfigurationError
 
 #: ``hang_report`` when not given: seconds a rank may wait for the others before the report.
 DEFAULT_SECONDS = 60.0
+
+
+def checked_seconds(seconds: object) -> float:
+    """The ``hang_report=`` option checked: seconds >= 0, 0 (and ``inf``: never) for off."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
+        raise ConfigurationError(
+            f"hang_report={seconds!r} must be a number of seconds >= 0: how long ranks may wait for "
+            "another before autoddp says which rank and where (e.g. hang_report=120; 0: off)"
+        )
+    return 0.0 if math.isinf(seconds) else float(seconds)  # (inf: no watch that never speaks)
+
+
 #: The signal that makes a worker write its Python stacks (faulthandler answers it, in C, also
 #: while the worker blocks in C++ with the GIL released). None where there is no spare one.
 DUMP_SIGNAL: int | None = signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN") else None

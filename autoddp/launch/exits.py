@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 
 from autoddp import _variables
 from autoddp._warn import one_line, say
+from autoddp.errors import WorkerError
 from autoddp.world import finished, transport
 
 #: How long every rank may take to end once all have finished the user's code.
@@ -30,8 +31,11 @@ EXIT_SECONDS = 30.0
 class Exits:
     """Watch the ``nproc`` workers of one attempt whose markers are in ``folder``."""
 
-    def __init__(self, folder: str, nproc: int, seconds: float | None = None) -> None:
+    def __init__(self, folder: str, nproc: int, seconds: float | None = None, returns: bool = False) -> None:
         self.folder, self.nproc = folder, nproc
+        #: Each worker runs a function that returns (the decorator's): one that ends without
+        #: having returned (``os._exit``) is a failure (``without_result``), not a worker that ended.
+        self.returns = returns
         self.seconds = (
             float(os.environ.get(_variables.EXIT_SECONDS, EXIT_SECONDS)) if seconds is None else seconds
         )
@@ -89,3 +93,26 @@ class Exits:
                 f"stopped it. Where it was:\n{stack}"
             )
         return True
+
+    def without_result(self, codes: dict[int, int | None]) -> set[int]:
+        """The local ranks that ended with status 0 before autoddp's own end of the worker (the
+        function never returned there: ``os._exit(0)``, or a native library exiting); none unless
+        ``returns``. Elastic counts such a worker as done: under fork it then waits forever for
+        its return value, under fresh interpreters it ends the run without a result."""
+        if not self.returns:
+            return set()
+        gone = {rank for rank, code in codes.items() if code == 0}
+        return gone - finished.marked(self.folder, finished.ENDED) if gone else set()
+
+    def without_result_error(self, ranks: set[int], first_rank: int = 0) -> WorkerError:
+        """The error for the local ``ranks`` that ended without a result (``without_result``)."""
+        named = ", ".join(str(first_rank + rank) for rank in sorted(ranks))
+        plural = "s" if len(ranks) > 1 else ""
+        return WorkerError(
+            f"rank{plural} {named} of {self.nproc}: the worker process exited with status 0 before your "
+            "function returned there (os._exit(0), or a native library ending the process): there is no "
+            "result. Return from the function instead of exiting the process; to stop early on every "
+            "rank, return or raise",
+            rank=first_rank + min(ranks),
+            exitcode=0,
+        )

@@ -32,7 +32,7 @@ class Ended:
     first_rank: int = 0
 
 
-def _exit_codes(context: Any) -> dict[int, int | None]:
+def exit_codes(context: Any) -> dict[int, int | None]:
     """Exit status of every worker of an ended elastic context, by local rank."""
     if hasattr(context, "subprocess_handlers"):  # fresh interpreters
         return {r: h.proc.poll() for r, h in context.subprocess_handlers.items()}
@@ -43,7 +43,7 @@ def first_failure(
     context: Any, result: Any, folder: str, world_size: int, records: str = ""
 ) -> BaseException:
     """The exception to raise in the caller of a run on this machine (see ``root_cause``)."""
-    codes = _exit_codes(context)
+    codes = exit_codes(context)
     for failure in result.failures.values():
         codes.setdefault(failure.local_rank, failure.exitcode)
     first = min(result.failures.values(), key=lambda f: f.timestamp)
@@ -136,19 +136,33 @@ def root_cause(ended: Ended, folder: str, world_size: int, records: str = "") ->
 def _explain_finished(
     lead: BaseException, lead_rank: int, codes: dict[int, int | None], reports: dict, said: set[int]
 ) -> None:
-    """A rank that ended well while ``lead_rank`` still waited for it: say that this is the cause."""
-    ended = {r for r, code in codes.items() if code == 0} | said
-    finished = sorted(r for r in ended if r not in reports and r != lead_rank)
-    if not finished or not hasattr(lead, "add_note"):
+    """A rank that ended while ``lead_rank`` still waited for it: say that this is the cause.
+
+    Only the ranks in ``said`` ran their code to its end; one that exited with status 0 without
+    saying so left early (``sys.exit(0)``, ``os._exit(0)``).
+    """
+    if not hasattr(lead, "add_note"):
         return
-    ranks = ", ".join(map(str, finished))
-    lead.add_note(
-        f"autoddp: rank {ranks} had already ended well (its code ran to the end) while rank {lead_rank} "
-        "still waited for it in a collective: a rank that leaves the training loop early (a "
-        "rank-dependent break, early stopping on its own loss, fewer batches than the others) leaves "
-        "the others waiting. Take such decisions on a value every rank shares (reduced with "
-        "dist.all_reduce, or rank 0's broadcast)"
+    others = {r for r in set(codes) | said if r not in reports and r != lead_rank}
+    finished = sorted(r for r in others if r in said)
+    exited = sorted(r for r in others if r not in said and codes.get(r) == 0)
+    advice = (
+        "a rank that leaves early (a rank-dependent break or exit, early stopping on its own loss, "
+        "fewer batches than the others) leaves the others waiting. Take such decisions on a value "
+        "every rank shares (reduced with dist.all_reduce, or rank 0's broadcast)"
     )
+    if finished:
+        ranks = ", ".join(map(str, finished))
+        lead.add_note(
+            f"autoddp: rank {ranks} had already ended well (its code ran to the end) while rank "
+            f"{lead_rank} still waited for it in a collective: {advice}"
+        )
+    if exited:
+        ranks = ", ".join(map(str, exited))
+        lead.add_note(
+            f"autoddp: rank {ranks} had exited with status 0 before its code ran to its end (sys.exit, "
+            f"os._exit) while rank {lead_rank} still waited for it in a collective: {advice}"
+        )
 
 
 def _uneven_batches(lead: BaseException, folder: str, world_size: int) -> BaseException:

@@ -21,7 +21,7 @@ from autoddp.environment import LOOPBACK, preflight
 from autoddp.errors import ConfigurationError, SerializationError, WorkerError
 from autoddp.hang import record as hang_record
 from autoddp.hang.watch import Watch
-from autoddp.launch import diagnostics
+from autoddp.launch import diagnostics, failures
 from autoddp.launch.contract import DEFAULT_ROLE, Contract, worker_envs
 from autoddp.launch.exits import Exits
 from autoddp.launch.failures import first_failure
@@ -29,7 +29,7 @@ from autoddp.launch.output import Output, announce_exit, show_hidden_output
 from autoddp.launch.start_method import choose_start_method, preload_for_forked_workers
 from autoddp.launch.store import loopback_store
 from autoddp.launch.supervise import POLL_SECONDS, acting_on_signals, supervise
-from autoddp.worker import process
+from autoddp.worker import process, stdin
 from autoddp.worker.running import Job
 from autoddp.world import transport
 
@@ -45,8 +45,11 @@ def launch_function(
     max_restarts: int = 0,
     output: Output | None = None,
     hang_report: float = hang_record.DEFAULT_SECONDS,
+    store: tuple[str, int | None] = (LOOPBACK, None),
 ) -> Any:
     """Run ``job`` in ``nproc`` new workers; return rank 0's result.
+
+    ``store``: the address and port its store listens on (``master=``; no port: a free one).
 
     After a failure the whole group starts again, up to ``max_restarts`` times (not for errors
     that would only repeat: a bad configuration, something that cannot be pickled). Ranks that
@@ -61,6 +64,7 @@ def launch_function(
             f"autoddp starts its workers as fresh interpreters (start_method='spawn') because {reason}; "
             "the function and its arguments are sent to them by value."
         )
+    stdin.give_back_read_ahead()  # (rank 0 reads on where the caller stopped)
     if method == "spawn":  # pickle once, before anything starts: an unpicklable argument fails here
         payload = transport.dumps_job(job, job.fn, job.args, job.kwargs)
 
@@ -74,9 +78,11 @@ def launch_function(
         def workers(folder: str) -> tuple[Any, dict[int, tuple]]:
             return process.run_job_forked, {r: (job, folder) for r in range(nproc)}
 
-    contract = Contract(nproc, max_restarts=max_restarts)
+    contract = Contract(nproc, max_restarts=max_restarts, host=store[0])
     with acting_on_signals():
-        return _with_restarts(workers, contract, method, output=output, hang_report=hang_report, returns=True)
+        return _with_restarts(
+            workers, contract, method, output=output, hang_report=hang_report, port=store[1], returns=True
+        )
 
 
 def launch_script(
@@ -116,7 +122,7 @@ def launch_script(
             return sys.executable, {r: ("-m", "autoddp.worker.script", *argv) for r in range(nproc)}
 
     contract = Contract(nproc, role, max_restarts, store[0])
-    with acting_on_signals():
+    with acting_on_signals(for_good=True):  # (the command's process: it ends next)
         _with_restarts(workers, contract, method, poll_seconds, output, hang_report, store[1])
 
 
@@ -175,7 +181,7 @@ def _attempt(
                 if hang_report > 0:  # the workers keep their hang records there
                     env[_variables.HANG_FOLDER] = records
             watch = functools.partial(Watch, records, nproc, hang_report)
-            exits = Exits(folder, nproc)
+            exits = Exits(folder, nproc, returns=returns)
             context, result = supervise(entry, entry_args, envs, method, poll_seconds, logs, watch, exits)
         if result.is_failed() and exits.report({f.local_rank for f in result.failures.values()}):
             if returns and not transport.has_result(folder):
@@ -188,10 +194,26 @@ def _attempt(
                 )
         elif result.is_failed():
             error = first_failure(context, result, folder, nproc, records if hang_report > 0 else "")
+            error = _ended_without_result(exits, context, folder, error)
             traces = diagnostics.keep_traces(folder, output.log_dir)
             if traces is not None:  # (the run folder goes with the run)
                 say(diagnostics.traces_line(traces))
             show_hidden_output(error, result, output.shown(nproc))
             announce_exit(error, nproc)
             raise error
+        gone = exits.without_result(failures.exit_codes(context))
+        if gone:  # (every rank exited at once: elastic saw them all done)
+            raise exits.without_result_error(gone)
         return transport.load_result(folder)
+
+
+def _ended_without_result(exits: Exits, context: Any, folder: str, error: BaseException) -> BaseException:
+    """``error``, or the ranks that ended without their function's result (``Exits.without_result``)
+    where ``error`` only lost them (a peer's connection closed, a timeout): they are the cause."""
+    gone = exits.without_result(failures.exit_codes(context))
+    lead = failures.lead_report(transport.load_errors(folder).values())
+    if not gone or (lead is not None and not (lead.is_consequence or lead.is_timeout)):
+        return error
+    cause = exits.without_result_error(gone)
+    cause.add_note(f"autoddp: the others then lost it: {one_line(error)}")
+    return cause

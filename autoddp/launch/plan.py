@@ -55,6 +55,8 @@ def plan(
                     f"{flag} is for a run on several machines (--nnodes N); one machine has no rendezvous "
                     "to configure: drop it"
                 )
+        if master:  # one machine: where its store listens (as torchrun's --master-addr)
+            one_node_store(master, None, None)
         return Nodes()
     backend = rdzv_backend or ("c10d" if rdzv_endpoint and not master else "static")
     if backend not in RDZV_BACKENDS:
@@ -83,6 +85,10 @@ def plan(
     )
 
 
+#: The longest join timeout taken (an infinite or huge one overflows the store's clock).
+_LONGEST_JOIN = 365 * 24 * 3600.0
+
+
 def _join_timeout(given: float | None, in_conf: str | None) -> float:
     """``join_timeout=`` (``--join-timeout``), or ``--rdzv-conf join_timeout=``: the same setting."""
     if in_conf is not None:
@@ -100,9 +106,10 @@ def _join_timeout(given: float | None, in_conf: str | None) -> float:
         given = conf
     if given is None:
         return DEFAULT_JOIN_TIMEOUT
-    if isinstance(given, bool) or not isinstance(given, (int, float)) or not given > 0:
+    if isinstance(given, bool) or not isinstance(given, (int, float)) or not 0 < given <= _LONGEST_JOIN:
         raise ConfigurationError(
-            f"join_timeout={given!r} must be a number of seconds > 0: how long the machines of a run "
+            f"join_timeout={given!r} must be a number of seconds > 0 (at most {_LONGEST_JOIN:.0f}, a year): "
+            "how long the machines of a run "
             f"wait for each other to join (e.g. join_timeout=600)  [default: {DEFAULT_JOIN_TIMEOUT:g}]"
         )
     return float(given)

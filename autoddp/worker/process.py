@@ -23,6 +23,7 @@ import torch
 from autoddp import _compat, _variables, _warn, environment
 from autoddp._compat import forks
 from autoddp.errors import AutoDDPError
+from autoddp.worker import stdin
 from autoddp.worker.running import Job, portable, run_in_world
 from autoddp.world import finished, placement, transport
 
@@ -84,6 +85,7 @@ def _execute(job: Job, folder: str) -> int:
         finished.mark(world.rank, finished.ENDED)
         return 0
     except BaseException as exc:
+        stdin.note_eof(exc, world.rank)
         transport.save_error(folder, world.rank, exc)
         return 1
 

@@ -18,17 +18,22 @@ its collectives are marked for the hang report (``autoddp.hang.marks``).
 from __future__ import annotations
 
 import atexit
+import builtins
 import contextlib
 import dataclasses
 import datetime
 import gc
+import importlib.machinery
 import inspect
+import io
 import json
 import os
 import runpy
 import signal
 import sys
 import threading
+import types
+import zipfile
 from typing import Any
 
 import torch
@@ -40,7 +45,7 @@ from autoddp._warn import say
 from autoddp.environment import hardware, preflight
 from autoddp.hang import marks
 from autoddp.state import RunOptions, World
-from autoddp.worker import process
+from autoddp.worker import process, stdin
 from autoddp.world import finished, process_group, stdout, transport
 from autoddp.world.kept_groups import KeptGroups
 from autoddp.world.placement import own_gpu
@@ -56,7 +61,34 @@ def _run(argv: list[str]) -> None:
         path, rest = argv[0], argv[1:]
         sys.argv = [path, *rest]
         sys.path[0] = os.path.dirname(os.path.abspath(path))
-        runpy.run_path(path, run_name="__main__")
+        if os.path.isfile(path) and not zipfile.is_zipfile(path):
+            _run_file(os.path.abspath(path))
+        else:  # a folder or a zip with __main__.py
+            runpy.run_path(path, run_name="__main__")
+
+
+def _run_file(path: str) -> None:
+    """Run the script at ``path`` (absolute) as ``python path`` does: in a fresh ``__main__``
+    whose ``__file__`` is absolute (so ``os.path.dirname(__file__)`` survives an ``os.chdir``),
+    ``__package__`` and ``__spec__`` None. (``runpy.run_path`` keeps the path as typed and sets
+    ``__package__`` to ''.)"""
+    with io.open_code(path) as handle:
+        code = compile(handle.read(), path, "exec", dont_inherit=True)
+    module = types.ModuleType("__main__")
+    module.__dict__.update(
+        __file__=path,
+        __cached__=None,
+        __package__=None,
+        __spec__=None,
+        __loader__=importlib.machinery.SourceFileLoader("__main__", path),
+        __builtins__=builtins,
+    )
+    previous = sys.modules["__main__"]
+    sys.modules["__main__"] = module
+    try:
+        exec(code, module.__dict__)
+    finally:
+        sys.modules["__main__"] = previous
 
 
 class _ScriptWorld:
@@ -189,6 +221,7 @@ def main(leave_groups_at_exit: bool = True, kept: KeptGroups | None = None) -> N
     except KeyboardInterrupt:  # the launcher passes Ctrl-C on and reports it once, for everyone
         sys.exit(128 + 2)
     except BaseException as exc:
+        stdin.note_eof(exc, int(os.environ.get("RANK", "0")) if run_folder else 0)
         ErrorHandler().record_exception(exc)
         folder = os.environ.get(_variables.RUN_FOLDER)
         if folder:

@@ -6,6 +6,8 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import math
+import numbers
 import os
 from typing import Any
 
@@ -74,15 +76,39 @@ def _host_for_url(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
+#: The longest wait torch's groups take: ``timeout=float("inf")`` means this (no timeout in
+#: practice). Much longer ones overflow torch's clock (about 290 years: every wait fails at once).
+LONGEST_TIMEOUT = datetime.timedelta(days=3650)
+
+
 def as_timeout(timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:
-    """Normalise a ``timeout=`` option (seconds or timedelta) for init_process_group."""
-    if timeout is None or isinstance(timeout, datetime.timedelta):
-        return timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+    """Normalise a ``timeout=`` option (seconds or timedelta) for init_process_group.
+
+    ``float("inf")`` is no timeout (``LONGEST_TIMEOUT``, 10 years); NaN, a timeout of 0 or less, or
+    one longer than ``LONGEST_TIMEOUT`` is refused.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        seconds = math.nan
+    else:
+        seconds = float(timeout)
+    if not seconds > 0:  # (NaN too)
         raise ConfigurationError(
-            f"timeout={timeout!r} is not a positive number of seconds (or a datetime.timedelta)"
+            f"timeout={timeout!r} is not a positive number of seconds (or a datetime.timedelta); "
+            "pass e.g. timeout=1800, or for no timeout float('inf') (the command: --timeout inf)"
         )
-    return datetime.timedelta(seconds=float(timeout))
+    if math.isinf(seconds):
+        return LONGEST_TIMEOUT
+    if seconds > LONGEST_TIMEOUT.total_seconds():
+        raise ConfigurationError(
+            f"timeout={timeout!r} is longer than torch's process groups can wait (at most "
+            f"{LONGEST_TIMEOUT.total_seconds():.0f} seconds, 10 years); for no timeout pass float('inf') "
+            "(the command: --timeout inf)"
+        )
+    return timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=seconds)
 
 
 def joined(

@@ -29,6 +29,7 @@ import torch
 from autoddp import _frames
 from autoddp._leftovers import private_folder
 from autoddp.errors import RemoteError, RemoteTraceback, SerializationError
+from autoddp.world.importable import ByValue
 
 _PAYLOAD = "job.pkl"
 _PATH = "sys_path.json"
@@ -64,10 +65,20 @@ def _read(path: str) -> bytes:
 
 
 class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, but code sent by value keeps its file name (worker tracebacks show source), and
-    exceptions are rebuilt without calling their ``__init__`` (see ``_rebuild_exception``)."""
+    """cloudpickle, but code sent by value keeps its file name (worker tracebacks show source),
+    exceptions are rebuilt without calling their ``__init__`` (see ``_rebuild_exception``), and
+    functions and classes of modules a fresh interpreter cannot import go by value (``importable``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._by_value = ByValue()  # functions of modules a fresh interpreter cannot import
+
+    def dump(self, obj: Any) -> None:
+        with self._by_value.pickling():
+            super().dump(obj)
 
     def reducer_override(self, obj: Any) -> Any:
+        self._by_value.consider(obj)
         if type(obj) is types.CodeType:
             rebuild, args = self.dispatch_table[types.CodeType](obj)[:2]
             return rebuild, tuple(obj.co_filename if arg == "<dynamic-code>" else arg for arg in args)
