@@ -8,6 +8,7 @@ Real 2-process gloo runs of unchanged code, the command and the decorator alike.
 from __future__ import annotations
 
 import os
+import pickle
 import re
 
 import pytest
@@ -188,3 +189,35 @@ def test_resume_then_open_then_save_on_every_rank_is_exact(tmp_path, slow):
     assert ran.returncode == 0, ran.stderr
     assert _tagged(ran.stdout, "RESUMED") == [["0", "True", "True"], ["1", "True", "True"]], ran.stdout
     assert sorted(os.listdir(tmp_path)) == ["last.pt", "resume.py"]
+
+
+SAVE_LOAD_THEN_PLAIN_WRITE = """
+    import os, pickle, sys, time, torch
+    rank, slow = int(os.environ["RANK"]), int(sys.argv[1])
+    wrong = 0
+    for i in range(5):
+        torch.save({"i": i}, "last.pt")  # every rank: written once, by rank 0
+        if rank == slow:
+            time.sleep(0.2)  # widen the race: the other rank goes on to its plain write first
+        try:
+            wrong += torch.load("last.pt") != {"i": i}
+        except Exception:
+            wrong += 1
+        with open("last.pt", "wb") as f:  # a plain write (no torch.save) to the checkpoint's path
+            pickle.dump({"plain": i}, f)
+    print("WRONG", rank, wrong, flush=True)
+"""
+
+
+@pytest.mark.parametrize("slow", [0, 1])
+def test_a_plain_write_to_a_saved_path_never_replaces_it_under_a_reader(tmp_path, slow):
+    # Each rank's open(path, "wb") gave a private file copied to the path at close, at once: rank 0
+    # replaced the checkpoint with its pickle while rank 1 had still to load it (5 of 5 wrong).
+    script = write(tmp_path / "plain.py", SAVE_LOAD_THEN_PLAIN_WRITE)
+    command = ["-m", "autoddp.cli", "-n", "2", "--ranks", "all", str(script), str(slow)]
+    ran = run_python(command, cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert _tagged(ran.stdout, "WRONG") == [["0", "0"], ["1", "0"]], ran.stdout
+    with open(tmp_path / "last.pt", "rb") as f:
+        assert pickle.load(f) == {"plain": 4}  # as one process leaves it
+    assert sorted(os.listdir(tmp_path)) == ["last.pt", "plain.py"]

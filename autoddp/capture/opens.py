@@ -9,9 +9,10 @@ still reading back from the last save (or that rank 0 has just put in place for 
 ``open(path, "wb")`` there returns a ``PrivateFile``: a file object on a nameless file of its
 own beside the path, whose ``name`` and ``mode`` are the ones asked for. A ``torch.save`` into it
 is the save of the path (the private file stays empty and is dropped at ``close``); whatever
-else is written to it (or nothing, with no save) goes to the path in place at ``close``, so the
-file ends as one process leaves it. Every other ``open``, and a path that is not a regular file,
-is left exactly as it is.
+else is written to it (or nothing, with no save) is saved to the path at ``close`` as a
+``torch.save`` is (``written``: once, by rank 0, paired across ranks, so that no rank's write
+replaces the file another rank has still to read), so the file ends as one process leaves it.
+Every other ``open``, and a path that is not a regular file, is left exactly as it is.
 """
 
 from __future__ import annotations
@@ -40,37 +41,42 @@ _CHUNK = 1 << 20
 class PrivateFile(io.BufferedWriter):
     """What ``open(path, "wb")`` gives for a path capture's ``torch.save`` writes once (see above)."""
 
-    def __init__(self, fd: int, name: Any, path: str) -> None:
+    def __init__(self, fd: int, name: Any, path: str, written: Callable[[PrivateFile], None]) -> None:
         """``fd``: the private file, opened for reading and writing; ``name``: as ``open`` was given
-        it; ``path``: the real path it stands for."""
+        it; ``path``: the real path it stands for; ``written``: puts what it holds at ``path``."""
         raw = io.FileIO(fd, "wb")
         raw.name = name  # what one process's file object says
         super().__init__(raw)
         self.path = path
         self.saved = False  # set by the torch.save hook: the path was saved through this file
+        self.written = written
 
     def close(self) -> None:
-        """Drop the private file after a save into it; else write what it holds to the path in place."""
+        """Drop the private file after a save into it; else have what it holds written to the path."""
         if self.closed:
             return
         try:
             if not self.saved:
                 self.flush()
-                _copy(self.raw.fileno(), self.path)
+                self.written(self)
         finally:
             super().close()
 
 
 def opening(
-    original: Callable[..., Any], session: Any, kept: Callable[[str, str], bool]
+    original: Callable[..., Any],
+    session: Any,
+    kept: Callable[[str, str], bool],
+    written: Callable[[PrivateFile], None],
 ) -> Callable[..., Any]:
     """``open`` for a capture ``session``: a ``PrivateFile`` for a plain ``open(path, "wb")`` of a
-    checkpoint (``kept(absolute path, real path)``), else ``original``'s file object."""
+    checkpoint (``kept(absolute path, real path)``; ``written`` at its close), else ``original``'s
+    file object."""
 
     def open(file: Any, mode: Any = "r", *args: Any, **kwargs: Any) -> Any:
         if mode == "wb" and not session.busy and plain(args, kwargs):
             with session.own_work():  # (its own opens are not the user's writes)
-                private = private_file(file, kept)
+                private = private_file(file, kept, written)
             if private is not None:
                 return private
         return original(file, mode, *args, **kwargs)
@@ -91,7 +97,9 @@ def plain(args: tuple, kwargs: dict) -> bool:
     return True
 
 
-def private_file(file: Any, kept: Callable[[str, str], bool]) -> PrivateFile | None:
+def private_file(
+    file: Any, kept: Callable[[str, str], bool], written: Callable[[PrivateFile], None]
+) -> PrivateFile | None:
     """A ``PrivateFile`` for ``open(file, "wb")`` when ``file`` is a checkpoint (``kept``) and a
     regular file or absent, else None (the original ``open`` runs)."""
     if not isinstance(file, (str, bytes, os.PathLike)):
@@ -107,7 +115,8 @@ def private_file(file: Any, kept: Callable[[str, str], bool]) -> PrivateFile | N
         fd = _nameless(os.path.dirname(real))
     except OSError:  # (a folder this process may not write in): as one process opens it
         return None
-    return PrivateFile(fd, file if isinstance(file, bytes) else path, real)  # (real: a later chdir)
+    name = file if isinstance(file, bytes) else path
+    return PrivateFile(fd, name, real, written)  # (real: a later chdir)
 
 
 def _nameless(folder: str) -> int:
@@ -121,15 +130,18 @@ def _nameless(folder: str) -> int:
     return fd
 
 
-def _copy(fd: int, path: str) -> None:
-    """Write the whole of the file at ``fd`` to ``path`` in place (created or truncated, as ``open``)."""
-    out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
-    try:
-        offset = 0
-        while chunk := os.pread(fd, _CHUNK, offset):
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(out, view) :]
-            offset += len(chunk)
-    finally:
-        os.close(out)
+def copy_in_place(private: PrivateFile) -> None:
+    """Write the whole of ``private`` to its path in place (created or truncated, as ``open``)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+    with io.FileIO(os.open(private.path, flags, 0o666), "wb") as out:
+        copy_to(private, out)
+
+
+def copy_to(private: PrivateFile, out: Any) -> None:
+    """Write the whole of ``private`` (flushed) to the file object ``out``."""
+    fd, offset = private.raw.fileno(), 0
+    while chunk := os.pread(fd, _CHUNK, offset):
+        view = memoryview(chunk)
+        while view:
+            view = view[out.write(view) :]
+        offset += len(chunk)

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from autoddp import _compat, _patches, models
-from autoddp.capture.opens import PrivateFile, opening
+from autoddp.capture.opens import PrivateFile, copy_in_place, copy_to, opening
 from autoddp.checkpoint.files import atomic_write, special
 from autoddp.errors import Rank0Error
 from autoddp.hang import record
@@ -129,7 +129,18 @@ class Saves:
         self._patches.restore()
 
     def _opening(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        return opening(original, self.session, self.kept)
+        return opening(original, self.session, self.kept, self._written)
+
+    def _written(self, private: PrivateFile) -> None:
+        """A plain write (no ``torch.save``) into a checkpoint's private file, at its ``close``: saved
+        to the path as a save is, once by rank 0 and paired across ranks, so that no rank's write
+        replaces the file while another has still to read it. Before the join, after this rank's
+        code ended, or inside autoddp's own work: in place, as one process writes it."""
+        if not self.joined or self.progress.stopping.is_set() or self.session.busy:
+            copy_in_place(private)
+            return
+        with self.session.own_work():
+            self.save(lambda _obj, file: copy_to(private, file), None, private.path, (), {})
 
     def kept(self, absolute: str, real: str) -> bool:
         """Whether ``open(path, "wb")`` of this path gives a private file: a file rank 0's saves write,
