@@ -68,13 +68,14 @@ def opening(
     session: Any,
     kept: Callable[[str, str], bool],
     written: Callable[[PrivateFile], None],
+    any_kept: Callable[[], bool],
 ) -> Callable[..., Any]:
     """``open`` for a capture ``session``: a ``PrivateFile`` for a plain ``open(path, "wb")`` of a
     checkpoint (``kept(absolute path, real path)``; ``written`` at its close), else ``original``'s
-    file object."""
+    file object. Until there is any checkpoint (``any_kept``), no path is even resolved."""
 
     def open(file: Any, mode: Any = "r", *args: Any, **kwargs: Any) -> Any:
-        if mode == "wb" and not session.busy and plain(args, kwargs):
+        if mode == "wb" and any_kept() and not session.busy and plain(args, kwargs):
             with session.own_work():  # (its own opens are not the user's writes)
                 private = private_file(file, kept, written)
             if private is not None:
