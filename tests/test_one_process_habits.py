@@ -134,6 +134,38 @@ def test_a_model_pruned_and_its_last_buffer_deleted_evaluates_as_one_process_und
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def _prepared_then_evaluated(prepare: bool) -> float:
+    """A model given to ``autoddp.prepare`` inside the function, trained, then evaluated in
+    ``eval()`` with gradients on over the shuffled loader: the mean loss over all of it."""
+    generator = torch.Generator().manual_seed(5)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(64, 4, generator=generator), torch.randn(64, 2, generator=generator)
+    )
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1)
+    )
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model = autoddp.prepare(model) if prepare else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in loader:
+        loss = (model(x) - y).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    return sum((model(x) - y).pow(2).mean().item() * len(x) for x, y in loader) / len(data)
+
+
+def test_a_model_prepared_inside_a_captured_function_evaluates_as_one_process():
+    @autoddp.distributed(nproc=2, split_batches=True)
+    def train() -> float:
+        return _prepared_then_evaluated(prepare=True)
+
+    # (before: prepare's DDP, made while the user's code ran, was taken for one of the user's own)
+    assert train() == pytest.approx(_prepared_then_evaluated(prepare=False), rel=1e-5)
+
+
 @pytest.mark.timeout(90)
 def test_a_model_pruned_and_its_last_buffer_deleted_evaluates_as_one_process_under_the_command(tmp_path):
     flow = inspect.getsource(_Scaled) + "\n\n" + inspect.getsource(_pruned_then_evaluated)

@@ -94,8 +94,13 @@ class Replica:
         #: must not take autoddp's own (re)build, inside the user's forward, for a DDP of the user's.
         self.building = False
         self.lazy = _has_lazy_parameters(module)
+        object.__setattr__(module, _routing.REPLICA_ATTR, self)  # (before the build: ``building``)
         if not self.lazy:
-            self.build(module)
+            try:
+                self.build(module)
+            except BaseException:
+                module.__dict__.pop(_routing.REPLICA_ATTR, None)
+                raise
         self.synced = False  # weights may still change before the first forward (module docstring)
 
     def build(self, module: torch.nn.Module) -> None:
@@ -270,7 +275,7 @@ def wrap_model(
     _watch_parameter_changes()
     if world.device == "cpu":
         hardware.keep_freed_memory()  # else every step may fault its activations in again
-    object.__setattr__(module, _routing.REPLICA_ATTR, Replica(module, ddp_kwargs or {}, world.rank))
+    Replica(module, ddp_kwargs or {}, world.rank)  # (it puts itself beside the module)
     return module
 
 
