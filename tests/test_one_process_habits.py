@@ -6,6 +6,7 @@ changes between epochs, a script reading stdin, a script making its own group of
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 
@@ -73,6 +74,115 @@ def test_buffers_added_and_removed_mid_run_train_as_one_process():
     assert identical
     for got, want in zip(state, _pruned_mid_run(0, 1)[0], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+class _Scaled(nn.Module):
+    """A model with a buffer its forward uses while it is there (``getattr(self, "scale", None)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 2)
+        self.register_buffer("scale", torch.full((2,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fc2(torch.tanh(self.fc1(x)))
+        scale = getattr(self, "scale", None)
+        return out if scale is None else out * scale
+
+
+def _pruned_then_evaluated() -> tuple[list[torch.Tensor], float]:
+    """The pruning tutorial's flow, trained: prune, train, make it permanent and delete the last
+    buffer (each rebuilds the DDP inside the forward), train, then evaluate in ``eval()`` with
+    gradients on (no ``torch.no_grad()``) over the shuffled loader: one process's numbers."""
+    generator = torch.Generator().manual_seed(5)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(64, 4, generator=generator), torch.randn(64, 2, generator=generator)
+    )
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1)
+    )
+    model = _Scaled()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    prune.l1_unstructured(model.fc1, name="weight", amount=0.5)
+    for epoch in range(2):
+        model.train()
+        for x, y in loader:
+            loss = (model(x) - y).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        if epoch == 0:
+            prune.remove(model.fc1, "weight")
+            del model.scale  # the model's last buffer
+    model.eval()
+    total = sum((model(x) - y).pow(2).mean().item() * len(x) for x, y in loader)
+    return [p.detach().clone() for p in model.parameters()], total / len(data)
+
+
+def test_a_model_pruned_and_its_last_buffer_deleted_evaluates_as_one_process_under_the_decorator():
+    @autoddp.distributed(nproc=2, split_batches=True)
+    def train() -> tuple[list[torch.Tensor], float]:
+        return _pruned_then_evaluated()
+
+    state, loss = train()
+    want_state, want_loss = _pruned_then_evaluated()
+    # (before: the DDP rebuilt inside the forward was taken for one of the user's own, always in
+    # training mode, so the evaluation pass got rank 0's share of the loader: about half the loss)
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+    for got, want in zip(state, want_state, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _prepared_then_evaluated(prepare: bool) -> float:
+    """A model given to ``autoddp.prepare`` inside the function, trained, then evaluated in
+    ``eval()`` with gradients on over the shuffled loader: the mean loss over all of it."""
+    generator = torch.Generator().manual_seed(5)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(64, 4, generator=generator), torch.randn(64, 2, generator=generator)
+    )
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1)
+    )
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model = autoddp.prepare(model) if prepare else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in loader:
+        loss = (model(x) - y).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    return sum((model(x) - y).pow(2).mean().item() * len(x) for x, y in loader) / len(data)
+
+
+def test_a_model_prepared_inside_a_captured_function_evaluates_as_one_process():
+    @autoddp.distributed(nproc=2, split_batches=True)
+    def train() -> float:
+        return _prepared_then_evaluated(prepare=True)
+
+    # (before: prepare's DDP, made while the user's code ran, was taken for one of the user's own)
+    assert train() == pytest.approx(_prepared_then_evaluated(prepare=False), rel=1e-5)
+
+
+@pytest.mark.timeout(90)
+def test_a_model_pruned_and_its_last_buffer_deleted_evaluates_as_one_process_under_the_command(tmp_path):
+    flow = inspect.getsource(_Scaled) + "\n\n" + inspect.getsource(_pruned_then_evaluated)
+    script = tmp_path / "pruned.py"
+    script.write_text(
+        "import json\nimport torch\nimport torch.nn.utils.prune as prune\nfrom torch import nn\n\n"
+        + flow
+        + "\n\nstate, loss = _pruned_then_evaluated()\n"
+        "print(json.dumps([loss, [p.tolist() for p in state]]))\n"
+    )
+    result = run_python(["-m", "autoddp.cli", "-n", "2", "--split-batches", str(script)], timeout=80)
+    assert result.returncode == 0, result.stderr[-3000:]
+    loss, state = json.loads(result.stdout.strip().splitlines()[-1])
+    want_state, want_loss = _pruned_then_evaluated()
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+    for got, want in zip(state, want_state, strict=True):
+        torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
 
 
 def test_a_data_set_that_grows_and_shrinks_between_epochs_is_shared_out_at_its_length_now(tmp_path):

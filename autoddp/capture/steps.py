@@ -89,12 +89,16 @@ class Steps:
     def _ddp_init(self, original: Any) -> Any:
         def __init__(ddp: Any, /, *args: Any, **kwargs: Any) -> None:
             module = args[0] if args else kwargs.get("module")  # (Lightning passes module=)
-            if not self.session.busy and module is not None:
+            if self.session.busy or (module is not None and models.ddp_being_built(module)):
+                # autoddp's own: also a rebuild inside the user's forward after the model changed
+                # (a buffer deleted, a layer replaced), which is no model of the user's own
+                original(ddp, *args, **kwargs)
+                return
+            if module is not None:
                 inner = models.unwrap(module)
                 if models.ddp_in_charge(inner):
                     models.release(inner)  # the user's own DDP takes over: never two
             original(ddp, *args, **kwargs)
-            if not self.session.busy:
-                self.own_ddp.add(ddp)
+            self.own_ddp.add(ddp)
 
         return __init__

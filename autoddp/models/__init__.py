@@ -134,6 +134,14 @@ def ddp_in_charge(model: torch.nn.Module) -> bool:
     return ddp_of(unwrap(model)) is not None
 
 
+def ddp_being_built(model: torch.nn.Module) -> bool:
+    """True while autoddp itself makes the DDP behind ``model`` (a rebuild happens inside the
+    user's forward, after the model changed: capture must not take it for a DDP of the user's)."""
+    from autoddp.models.ddp import building
+
+    return building(unwrap(model))
+
+
 def release(model: torch.nn.Module) -> None:
     """Undo what autoddp's strategy did to ``model`` (it is the user's plain module again)."""
     model = unwrap(model)

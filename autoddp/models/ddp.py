@@ -90,9 +90,17 @@ class Replica:
         self.watched = False
         self.reduction = _reduction.Ledger()  # which backward passes DDP averaged (the guard's)
         self.inside = False  # while the DDP's forward runs
+        #: While ``build`` makes the DDP: capture's hook of ``DistributedDataParallel.__init__``
+        #: must not take autoddp's own (re)build, inside the user's forward, for a DDP of the user's.
+        self.building = False
         self.lazy = _has_lazy_parameters(module)
+        object.__setattr__(module, _routing.REPLICA_ATTR, self)  # (before the build: ``building``)
         if not self.lazy:
-            self.build(module)
+            try:
+                self.build(module)
+            except BaseException:
+                module.__dict__.pop(_routing.REPLICA_ATTR, None)
+                raise
         self.synced = False  # weights may still change before the first forward (module docstring)
 
     def build(self, module: torch.nn.Module) -> None:
@@ -109,7 +117,11 @@ class Replica:
             return  # nothing to synchronise (yet)
         device = next((p.device for p in params if p.requires_grad), torch.device("cpu"))
         device_ids = [device.index] if device.type == "cuda" else None
-        ddp = torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        self.building = True
+        try:
+            ddp = torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        finally:
+            self.building = False
         object.__setattr__(module, _routing.DDP_ATTR, ddp)
 
     def for_call(
@@ -263,7 +275,7 @@ def wrap_model(
     _watch_parameter_changes()
     if world.device == "cpu":
         hardware.keep_freed_memory()  # else every step may fault its activations in again
-    object.__setattr__(module, _routing.REPLICA_ATTR, Replica(module, ddp_kwargs or {}, world.rank))
+    Replica(module, ddp_kwargs or {}, world.rank)  # (it puts itself beside the module)
     return module
 
 
@@ -304,6 +316,12 @@ def _on_device(module: torch.nn.Module, device: str) -> bool:
     target = torch.device(device)
     tensors = [*module.parameters(), *module.buffers()]
     return all(t.device == target or (target.index is None and t.device.type == target.type) for t in tensors)
+
+
+def building(module: torch.nn.Module) -> bool:
+    """True while autoddp makes the DDP behind ``module`` (the first, or a rebuild after a change)."""
+    replica = getattr(module, "__dict__", {}).get(_routing.REPLICA_ATTR)
+    return replica is not None and getattr(replica, "building", False)
 
 
 def is_wrapped(model: Any) -> bool:
