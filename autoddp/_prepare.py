@@ -68,7 +68,25 @@ prepare.dispatch = _prepare.dispatch  # type: ignore[attr-defined]
 def _prepare_module(obj: torch.nn.Module) -> torch.nn.Module:
     from autoddp import models
 
-    return models.wrap(obj, current(), CURRENT.options)
+    return models.wrap(obj, _joined_world(), CURRENT.options)
+
+
+def _joined_world() -> Any:
+    """The world a model is wrapped in, joined: under the command a script's group is made when
+    first needed (capture joins it now); with none and no way to make it, an error that says how."""
+    world = current()
+    if world.world_size <= 1 or torch.distributed.is_initialized():
+        return world
+    session = CURRENT.capture
+    if session is not None:
+        with session.own_work():
+            return session.world()
+    raise ConfigurationError(
+        f"autoddp.prepare(model) in a world of {world.world_size} processes whose process group is not "
+        "made yet: call torch.distributed.init_process_group() before it (under "
+        "`autoddp --no-capture` or torchrun the script makes its own group), or run the script under "
+        "`autoddp` without --no-capture, where autoddp makes the group when first needed"
+    )
 
 
 @_prepare.register

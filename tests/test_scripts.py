@@ -115,3 +115,32 @@ def test_uncaught_worker_error_shows_rank_and_traceback(tmp_path):
     assert "Traceback of rank 1 of 2" in err
     assert "load_batch(7)" in err and "raise KeyError" in err  # the worker's source lines
     assert "KeyError: 'sample 7 missing'\nautoddp: [rank 1 of 2] raised this" in err
+
+
+PREPARE_AT_THE_TOP = """
+    import sys
+    import torch
+    import autoddp
+
+    torch.manual_seed(0)
+    model = autoddp.prepare(torch.nn.Linear(4, 1))  # the first line that needs the group
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4).chunk(2)[autoddp.rank()]
+    model(x).mean().backward()
+    opt.step()
+    weights = autoddp.unwrap(model).weight.detach()
+    parts = autoddp.gather(weights)
+    if autoddp.rank() == 0:
+        print("same", all(torch.equal(parts[0], p) for p in parts), type(model).__name__)
+"""
+
+
+def test_prepare_at_the_top_of_a_script_under_the_command_joins_the_group(tmp_path):
+    script = write(tmp_path / "prepared.py", PREPARE_AT_THE_TOP)
+    ran = run_python(["-m", "autoddp.cli", "-n", "2", str(script)], cwd=tmp_path)
+    # (before: torch's "Default process group has not been initialized" on every rank)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "same True" in ran.stdout
+    refused = run_python(["-m", "autoddp.cli", "-n", "2", "--no-capture", str(script)], cwd=tmp_path)
+    assert refused.returncode == 1
+    assert "ConfigurationError" in refused.stderr and "init_process_group() before it" in refused.stderr
