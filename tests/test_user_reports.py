@@ -138,14 +138,21 @@ def test_a_returned_fsdp_state_dict_is_full_and_plain():
 
 
 @needs_fsdp
-def test_deep_copying_a_sharded_model_says_what_to_do_instead():
+def test_deep_copying_a_sharded_model_gives_a_whole_plain_copy():
+    # (it was refused with a ConfigurationError; issue 38 item 3: an EMA copy sees one process's model)
     @autoddp.distributed(nproc=2, strategy="fsdp")
     def train():
+        torch.manual_seed(0)
         model = autoddp.prepare(nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2)))
-        copy.deepcopy(model)
+        twin = copy.deepcopy(model)
+        return type(twin).__name__, {k: v for k, v in twin.state_dict().items()}
 
-    with pytest.raises(ConfigurationError, match="deepcopy .* not supported.*EMA"):
-        train()
+    name, state = train()
+    torch.manual_seed(0)
+    one = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2))
+    assert name == "Sequential"
+    for key, value in one.state_dict().items():
+        assert type(state[key]) is torch.Tensor and torch.equal(state[key], value), key
 
 
 @pytest.mark.unit
