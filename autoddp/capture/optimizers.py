@@ -77,13 +77,17 @@ class Optimizers:
     def say_made_before(self, root: Any, optimizer: Any) -> None:
         """The notice's line for a model that an optimizer made before the call trains (wrapped
         where the call reached it, before capture began)."""
+        found_through = f"the {type(optimizer).__name__} made before the call"
+        self._say_wrapped(root, "made before the call", found_through)
+
+    def _say_wrapped(self, root: Any, made: str, found_through: str) -> None:
+        """The notice's one line for a model capture wrapped: where it was made, what found it."""
         session = self.session
         assert session.notice is not None
         session.notice.say(
             ("model", id(root)),
-            f"{type(models.unwrap(root)).__name__} (made before the call): "
-            f"{session.options.strategy.upper()} across {session.world().world_size} processes, found "
-            f"through the {type(optimizer).__name__} made before the call{models.split_note(root)}",
+            f"{type(models.unwrap(root)).__name__} ({made}): {session.options.strategy.upper()} across "
+            f"{session.world().world_size} processes, found through {found_through}{models.split_note(root)}",
             subject=root,
         )
 
@@ -109,16 +113,8 @@ class Optimizers:
         with session.own_work():
             world = session.world()
             mapping = replaced_parameters(todo, lambda m: models.wrap(m, world, session.options, move=False))
-        assert session.notice is not None
         for root in todo:
-            name = type(models.unwrap(root)).__name__
-            session.notice.say(
-                ("model", id(root)),
-                f"{name} ({where(session.registry.site(root))}): {session.options.strategy.upper()} across "
-                f"{world.world_size} processes, found through the optimizer at {where(site)}"
-                f"{models.split_note(root)}",
-                subject=root,
-            )
+            self._say_wrapped(root, where(session.registry.site(root)), f"the optimizer at {where(site)}")
         return rebind(items, mapping)
 
 
