@@ -1,12 +1,6 @@
 """autoddp: run a plain single-GPU PyTorch train function on every GPU with one decorator."""
 
-from autoddp._prepare import prepare
-from autoddp.checkpoint.files import load, save
-from autoddp.console import print as print  # public, but kept out of __all__ (see below)
-from autoddp.console import progress
-from autoddp.data.gather import gather
-from autoddp.decorator import distributed
-from autoddp.errors import (
+from autoddp.core.errors import (
     AutoDDPError,
     AutoDDPWarning,
     CollectiveInRank0Error,
@@ -17,9 +11,15 @@ from autoddp.errors import (
     UnevenBatchesError,
     WorkerError,
 )
-from autoddp.models import unwrap
-from autoddp.rank_zero.block import rank0
-from autoddp.world import barrier, device, is_main, local_rank, rank, world_size
+from autoddp.decorator import distributed
+from autoddp.in_rank._prepare import prepare
+from autoddp.in_rank.checkpoint.files import load, save
+from autoddp.in_rank.console import print as print  # public, but kept out of __all__ (see below)
+from autoddp.in_rank.console import progress
+from autoddp.in_rank.data.gather import gather
+from autoddp.in_rank.models import unwrap
+from autoddp.in_rank.rank_zero.block import rank0
+from autoddp.in_rank.world import barrier, device, is_main, local_rank, rank, world_size
 
 __version__ = "0.1.0"  # a literal: setup.cfg reads it without importing the package
 

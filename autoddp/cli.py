@@ -17,10 +17,11 @@ from typing import Any
 
 import click
 
-from autoddp import environment, options
+from autoddp import options
 from autoddp.command import arguments, runs, torchrun_flags
 from autoddp.command.arguments import fail
-from autoddp.errors import ConfigurationError
+from autoddp.core import environment
+from autoddp.core.errors import ConfigurationError
 from autoddp.launch import plan as launch_plan
 
 _CONTEXT = {
@@ -205,7 +206,7 @@ def _options(flags: dict[str, Any], count: int, master: str | None) -> options.O
 
 
 def _runner_flags(settings: options.Options) -> list[str]:
-    """What the workers' script runner is told (``autoddp.worker.script``): capture, the run's options."""
+    """What the workers' script runner (``in_rank.worker.script``) is told: capture, the run's options."""
     run = dataclasses.asdict(dataclasses.replace(settings.run_options, capture=True))
     default = dataclasses.asdict(options.Options().run_options)
     return [

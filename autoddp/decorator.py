@@ -10,15 +10,15 @@ from typing import Any, TypeVar, overload
 
 import wrapt
 
-from autoddp import _warn, environment
 from autoddp import options as options_list
-from autoddp._prepare import prepare
-from autoddp.environment import hardware
-from autoddp.errors import ConfigurationError
+from autoddp.core import _warn, environment
+from autoddp.core.environment import hardware
+from autoddp.core.errors import ConfigurationError
+from autoddp.in_rank._prepare import prepare
+from autoddp.in_rank.worker.running import Job, run_in_world
+from autoddp.in_rank.world import process_group, streams
 from autoddp.launch import plan as launch_plan
 from autoddp.options import Options
-from autoddp.worker.running import Job, run_in_world
-from autoddp.world import process_group, streams
 
 F = TypeVar("F", bound=Callable[..., Any])
 

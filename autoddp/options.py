@@ -17,15 +17,15 @@ import operator
 from collections.abc import Mapping
 from typing import Any
 
-from autoddp import models
-from autoddp.environment import hardware
-from autoddp.errors import ConfigurationError
-from autoddp.hang import record as hang_record
+from autoddp.core.environment import hardware
+from autoddp.core.errors import ConfigurationError
+from autoddp.core.state import RunOptions
+from autoddp.in_rank import models
+from autoddp.in_rank.hang import record as hang_record
+from autoddp.in_rank.world import process_group
 from autoddp.launch import output as launch_output
 from autoddp.launch import plan as launch_plan
 from autoddp.launch import start_method as launch_start
-from autoddp.state import RunOptions
-from autoddp.world import process_group
 
 
 def option(default: Any, help: str, *flags: str, **click: Any) -> Any:

@@ -25,10 +25,10 @@ import torch
 from torch import nn
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler
 
-from autoddp.capture import Session
-from autoddp.data.samplers import ShardedSampler
-from autoddp.models import _routing
-from autoddp.state import RunOptions, World
+from autoddp.core.state import RunOptions, World
+from autoddp.in_rank.capture import Session
+from autoddp.in_rank.data.samplers import ShardedSampler
+from autoddp.in_rank.models import _routing
 
 
 def _best_ns(fn, number: int, repeat: int) -> float:

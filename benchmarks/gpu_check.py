@@ -46,9 +46,10 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import autoddp
-from autoddp import ConfigurationError, models
-from autoddp.models.ddp import ddp_of
-from autoddp.state import CURRENT, RunOptions, World
+from autoddp import ConfigurationError
+from autoddp.core.state import CURRENT, RunOptions, World
+from autoddp.in_rank import models
+from autoddp.in_rank.models.ddp import ddp_of
 from gpu_processes import Check, captured_script, check, start_probe, touched_checks, untouched_check
 from gpu_processes import started as _started
 
@@ -274,11 +275,11 @@ def one_gpu_checks(device: torch.device, compile_too: bool) -> list[Check]:
 
 def hang_marks() -> tuple[bool | None, Any]:
     """The hang report's completion marks on NCCL's queued collectives, once autoddp has them."""
-    from autoddp.hang import marks, record
+    from autoddp.in_rank.hang import marks, record
 
     found = [f"{m.__name__}.{n}" for m in (marks, record) for n in dir(m) if "complet" in n.lower()]
     if not found:
-        return None, "not available: autoddp.hang has no completion marks yet (issue 20, item 3)"
+        return None, "not available: autoddp.in_rank.hang has no completion marks yet (issue 20, item 3)"
     return None, f"present ({', '.join(found)}), not yet exercised by this check"
 
 

@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 
 import autoddp
-from autoddp import _variables
-from autoddp.hang import record
-from autoddp.hang.marks import MARKS
-from autoddp.hang.watch import Watch
+from autoddp.core import _variables
+from autoddp.in_rank.hang import record
+from autoddp.in_rank.hang.marks import MARKS
+from autoddp.launch.hang.watch import Watch
 
 from common import make_dataset, make_model, use_cuda
 from steady_state import STEPS_PER_BLOCK, build_autoddp, summarise, train_block

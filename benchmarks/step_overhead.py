@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import autoddp
-from autoddp.models import _routing
+from autoddp.in_rank.models import _routing
 
 FEATURES = 8
 BATCH = 16

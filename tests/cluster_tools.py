@@ -40,7 +40,7 @@ TORCHRUN_STYLE = """
 #: ranks sharing one output could interleave.)
 DECORATED = """
     import json, os, sys, torch, torch.distributed as dist, autoddp
-    from autoddp import environment
+    from autoddp.core import environment
 
     @autoddp.distributed(backend="gloo", nproc=int(sys.argv[1]) if len(sys.argv) > 1 else None)
     def train():
@@ -81,7 +81,7 @@ def speak(fails):
 try:
     speak(len(sys.argv) > 4)
 except Exception as error:
-    from autoddp._warn import one_line  # (its type, [rank R of N] and first line, as the command says)
+    from autoddp.core._warn import one_line  # (its type, [rank R of N] and first line, as the command says)
     found = {{"type": type(error).__name__, "first": one_line(error), "notes": error.__notes__}}
     sys.stdout.write("FAILED " + json.dumps(found) + "\\n")
 """

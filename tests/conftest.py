@@ -14,9 +14,9 @@ import time
 import psutil
 import pytest
 
-from autoddp.errors import ConfigurationError
+from autoddp.core.errors import ConfigurationError
+from autoddp.in_rank.models import fsdp_api
 from autoddp.launch.contract import TORCHRUN_VARIABLES
-from autoddp.models import fsdp_api
 
 
 @pytest.fixture(autouse=True)

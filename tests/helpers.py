@@ -94,7 +94,7 @@ def fork_or_skip() -> None:
     process started autograd's device threads. The reason is autoddp's own."""
     import pytest
 
-    from autoddp.errors import ConfigurationError
+    from autoddp.core.errors import ConfigurationError
     from autoddp.launch.start_method import choose_start_method
 
     try:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from autoddp import _patches
+from autoddp.core import _patches
 
 
 def registry_report() -> dict[str, list[str]]:

@@ -1,4 +1,4 @@
-"""Checks autoddp/rank_zero/skip.py on whatever Python runs this file: no torch, no autoddp import.
+"""Checks autoddp/in_rank/rank_zero/skip.py on whatever Python runs this file: no torch, no autoddp import.
 
 ``python tests/skip_mechanics.py`` prints ``skip mechanics ok on <version>`` and exits 0, or fails
 with an AssertionError naming the case. tests/test_rank0.py runs it with every Python it finds.

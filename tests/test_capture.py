@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import autoddp
-from autoddp.models.ddp import is_wrapped
+from autoddp.in_rank.models.ddp import is_wrapped
 from conftest import run_python, write
 
 N = 16  # samples; per-process batch N/2, so each epoch is one full-batch step (order-independent)

@@ -440,7 +440,7 @@ def test_a_model_with_old_gradients_is_not_named_and_sites_skip_its_init(tmp_pat
 @pytest.mark.unit
 def test_a_line_the_notice_said_is_not_said_again_for_another_key(capsys):
     """A DataLoader made anew each epoch at one line is a new loader each time, one line in all."""
-    from autoddp.capture._notice import Notice
+    from autoddp.in_rank.capture._notice import Notice
 
     notice = Notice(rank=0, world_size=2)
     for epoch in range(3):

@@ -292,7 +292,7 @@ def _train_on_uneven_shards():
 
 
 def test_the_decorator_names_the_rank_that_ran_out_of_batches_first():
-    from autoddp.errors import UnevenBatchesError
+    from autoddp.core.errors import UnevenBatchesError
 
     line = _train_on_uneven_shards.__wrapped__.__code__.co_firstlineno + 5  # (from the decorator's line)
     start = time.monotonic()

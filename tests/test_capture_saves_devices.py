@@ -140,7 +140,7 @@ def test_a_save_to_dev_stdout_sent_to_a_file_keeps_that_file(tmp_path):
 
 @pytest.mark.unit
 def test_atomic_write_writes_a_device_or_a_fifo_in_place_and_replaces_only_regular_files(tmp_path):
-    from autoddp.checkpoint.files import atomic_write, special
+    from autoddp.in_rank.checkpoint.files import atomic_write, special
 
     _null_device(tmp_path / "null")
     os.mkfifo(tmp_path / "pipe")
@@ -167,7 +167,7 @@ def test_atomic_write_writes_a_device_or_a_fifo_in_place_and_replaces_only_regul
 
 @pytest.mark.unit
 def test_only_a_plain_open_for_writing_bytes_is_taken():
-    from autoddp.capture.opens import plain
+    from autoddp.in_rank.capture.opens import plain
 
     assert plain((), {}) and plain((-1, None, None, None), {})  # (pathlib's Path.open)
     assert plain((), {"buffering": -1, "closefd": True})

@@ -14,8 +14,8 @@ from helpers import gather
 
 import autoddp
 from autoddp import WorkerError
-from autoddp.checkpoint.files import TEMPORARY_SUFFIX, load, save
-from autoddp.errors import Rank0Error
+from autoddp.core.errors import Rank0Error
+from autoddp.in_rank.checkpoint.files import TEMPORARY_SUFFIX, load, save
 
 
 def test_save_from_rank0_and_load_everywhere(tmp_path):

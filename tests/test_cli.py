@@ -56,7 +56,7 @@ def test_failing_script_exits_nonzero_with_its_traceback(tmp_path):
     assert proc.returncode == 1
     assert 'raise ValueError("bad config on rank 1")' in proc.stderr
     assert "autoddp: ValueError: [rank 1 of 2] bad config on rank 1 (its traceback is above)" in proc.stderr
-    assert "autoddp/worker/script.py" not in proc.stderr  # the runner's own frames are hidden
+    assert "autoddp/in_rank/worker/script.py" not in proc.stderr  # the runner's own frames are hidden
 
 
 def test_module_mode(tmp_path):

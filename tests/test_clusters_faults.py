@@ -15,7 +15,7 @@ import pytest
 from cluster_tools import HOSTS
 from test_clusters_hosts import _port, _start, hosts  # noqa: F401 - the fixture, used by name
 
-from autoddp import _leftovers
+from autoddp.core import _leftovers
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -1,4 +1,4 @@
-"""Every private torch internal autoddp uses (``autoddp._compat``), checked against this torch.
+"""Every private torch internal autoddp uses (``autoddp.core._compat``), checked against this torch.
 
 A torch release that renames or changes one of them fails here, with the piece named, before
 it can fail a user's run. Nothing is mocked: each internal is used the way autoddp uses it.
@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import autoddp
-from autoddp import _compat
-from autoddp._compat import gloo_lines
-from autoddp.errors import TorchCompatibilityError
+from autoddp.core import _compat
+from autoddp.core._compat import gloo_lines
+from autoddp.core.errors import TorchCompatibilityError
 from conftest import run_python
 
 
@@ -35,7 +35,7 @@ def test_a_missing_internal_is_a_loud_error_naming_it():
 #: A fresh interpreter's forks, before and after it asks for the GPU count.
 BAD_FORKS = """
 import os, torch
-from autoddp._compat import forks
+from autoddp.core._compat import forks
 
 def fork_is_bad():
     pid = os.fork()
@@ -61,7 +61,7 @@ def test_bad_fork_check_answers_in_this_process_and_in_a_fork(tmp_path):
 #: A fresh interpreter's forks, before and after a compiled layer and a backward ran in it.
 AUTOGRAD_FORKS = """
 import os, torch
-from autoddp._compat import forks
+from autoddp.core._compat import forks
 from torch._dynamo.testing import CompileCounter
 
 def answers():
@@ -580,10 +580,10 @@ def _defined_by_autoddp(package) -> set[str]:
 def test_private_names_are_reached_from_compat_only_and_listed_there():
     """The inventory in ``_compat.names`` is the code's: every private torch (or CPython) name is
     used in ``autoddp/_compat`` only, each one used there is listed, and each listed is used."""
-    from autoddp._compat import names
+    from autoddp.core._compat import names
 
     package = pathlib.Path(autoddp.__file__).parent
-    compat = package / "_compat"
+    compat = package / "core" / "_compat"
     own = _defined_by_autoddp(package) - {n.rsplit(".", 1)[-1] for n in names.PRIVATE}
     listed = {n.rsplit(".", 1)[-1] for n in names.PRIVATE} | set(names.PRIVATE)
     outside, unlisted, used = [], [], set()
@@ -608,8 +608,8 @@ def test_private_names_are_reached_from_compat_only_and_listed_there():
 
 REPLACED = """
 import json, torch, torch.distributed.distributed_c10d as c10d
-from autoddp._compat import gloo_lines, watch_parameter_changes
-from autoddp.world import stdout
+from autoddp.core._compat import gloo_lines, watch_parameter_changes
+from autoddp.in_rank.world import stdout
 
 owners = {"torch.nn.Parameter": torch.nn.Parameter, "torch.nn.Module": torch.nn.Module,
           "torch.utils": torch.utils, "torch.distributed.distributed_c10d": c10d,
@@ -626,7 +626,7 @@ print(json.dumps(changed))
 def test_what_is_replaced_for_the_life_of_the_process_is_the_listed():
     """The two installers that never restore replace exactly what ``_compat.names`` lists
     (gloo's group helper only where that torch prints gloo's lines)."""
-    from autoddp._compat import gloo_lines, names
+    from autoddp.core._compat import gloo_lines, names
 
     done = run_python(["-c", REPLACED])
     assert done.returncode == 0, done.stderr
@@ -643,7 +643,7 @@ def test_every_binding_of_a_collective_is_a_site_and_dtensor_gathers_through_fun
     collective bound under a module of its own (DTensor's helpers import broadcast) is found."""
     import torch.distributed.tensor  # noqa: F401 (binds some collectives in its own modules)
 
-    from autoddp._compat import collectives
+    from autoddp.core._compat import collectives
 
     funcol = collectives.functional()
     assert callable(vars(funcol)[collectives.FUNCTIONAL_WAIT])

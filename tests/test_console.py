@@ -9,13 +9,14 @@ import sys
 
 import pytest
 
-from autoddp import console, state
+from autoddp.core import state
+from autoddp.in_rank import console
 from conftest import run_python, write
 
 PRINTS = """
     import sys
     import autoddp
-    from autoddp import console
+    from autoddp.in_rank import console
 
     console.print("before", 1, sep="-", end="!\\n")
 
@@ -69,7 +70,7 @@ def test_print_once_by_default_and_every_rank_on_request(tmp_path, method):
 
 TORCHRUN = """
     import autoddp
-    from autoddp import console
+    from autoddp.in_rank import console
 
     console.print("top", autoddp.rank(), all_ranks=True)
 
@@ -110,7 +111,7 @@ PROGRESS = """
     import torch
     import torch.distributed as dist
     import autoddp
-    from autoddp import console
+    from autoddp.in_rank import console
 
     def numbers():  # a generator: no length for the bar to rely on
         yield from range(25)

@@ -25,10 +25,10 @@ from torch.utils.data.distributed import DistributedSampler
 
 import autoddp
 from autoddp import ConfigurationError
-from autoddp.data.gather import gather
-from autoddp.data.loaders import shard_loader
-from autoddp.state import World
-from autoddp.world import current
+from autoddp.core.state import World
+from autoddp.in_rank.data.gather import gather
+from autoddp.in_rank.data.loaders import shard_loader
+from autoddp.in_rank.world import current
 
 
 class Indices(Dataset):

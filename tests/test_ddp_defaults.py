@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import autoddp
-from autoddp.models.ddp import DEFAULTS, ddp_of
+from autoddp.in_rank.models.ddp import DEFAULTS, ddp_of
 
 
 @pytest.mark.parametrize("setting", sorted(DEFAULTS))

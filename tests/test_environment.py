@@ -15,9 +15,10 @@ import uuid
 import pytest
 from helpers import open_mpi_rank, torchrun_worker
 
-from autoddp import ConfigurationError, environment
+from autoddp import ConfigurationError
 from autoddp.command.report import describe
-from autoddp.environment import (
+from autoddp.core import environment
+from autoddp.core.environment import (
     MPICH,
     PORT_BASE,
     PORT_SPAN,
@@ -34,7 +35,7 @@ from autoddp.environment import (
     shared_port,
     slurm_port,
 )
-from autoddp.environment._hostlist import hosts
+from autoddp.core.environment._hostlist import hosts
 from conftest import LAUNCHER_NAMES, LAUNCHER_PREFIXES, run_python, write
 
 
@@ -507,7 +508,7 @@ IN_PLACE = """
     import json, os
     import psutil, torch, torch.distributed as dist
     import autoddp
-    from autoddp import environment
+    from autoddp.core import environment
 
     @autoddp.distributed(backend="gloo", timeout=30)  # gloo: the same world with or without GPUs
     def train():

@@ -242,7 +242,7 @@ class _Counted(IterableDataset):
 
 @pytest.mark.unit
 def test_a_dataset_holding_the_world_size_counts_as_sharding_itself():
-    from autoddp.data.loaders import shards_itself
+    from autoddp.in_rank.data.loaders import shards_itself
 
     assert shards_itself(_Counted(2))
     assert not shards_itself(type("Plain", (IterableDataset,), {"__iter__": lambda self: iter(())})())
@@ -289,7 +289,7 @@ def test_an_unknown_option_names_the_closest_one():
 def test_both_of_gloos_words_for_a_timeout_are_triaged_as_a_timeout(message):
     """Which of the two a rank raises depends on which of its waits ran out first (seen in CI):
     both must lead to "rank(s) N had not arrived", not to a failure of the waiting rank."""
-    from autoddp.world.transport import ErrorReport
+    from autoddp.in_rank.run_folder.transport import ErrorReport
 
     report = ErrorReport(
         rank=0, time=0.0, type_name="RuntimeError", message=message, traceback="", pickled=None

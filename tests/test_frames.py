@@ -1,4 +1,4 @@
-"""The one rule for "the user's frame" (``autoddp._frames``), and that no other module has its own."""
+"""The one rule for "the user's frame" (``autoddp.core._frames``), and that no other module has its own."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import autoddp
-from autoddp import _frames, _warn
+from autoddp.core import _frames, _warn
 
 pytestmark = pytest.mark.unit  # every test here starts no process
 
@@ -33,9 +33,9 @@ def _code(filename: str, source: str, namespace: dict) -> dict:
 
 
 def test_autoddp_torch_and_the_standard_library_are_libraries_and_named_from_their_package_down():
-    stacks = str(PACKAGE / "hang" / "stacks.py")
+    stacks = str(PACKAGE / "launch" / "hang" / "stacks.py")
     assert _frames.is_autoddp(stacks) and _frames.is_library(stacks) and not _frames.is_user(stacks)
-    assert _frames.short(stacks) == "autoddp/hang/stacks.py"
+    assert _frames.short(stacks) == "autoddp/launch/hang/stacks.py"
     assert not _frames.is_autoddp(TORCH_FILE) and _frames.is_library(TORCH_FILE)
     assert _frames.short(TORCH_FILE) == "torch/nn/modules/module.py"
     assert _frames.is_library(json.__file__) and _frames.short(json.__file__) == "json/__init__.py"
@@ -67,17 +67,17 @@ def test_an_editable_or_symlinked_install_is_still_autoddp(tmp_path):
     (tmp_path / "site").mkdir()
     link = tmp_path / "site" / "autoddp"
     link.symlink_to(PACKAGE, target_is_directory=True)
-    assert _frames.is_autoddp(str(link / "worker" / "transport.py"))
-    assert _frames.is_runner(str(link / "worker" / "running.py")) and _frames.short(
-        str(link / "worker" / "running.py")
-    ) == ("autoddp/worker/running.py")
+    assert _frames.is_autoddp(str(link / "in_rank" / "run_folder" / "transport.py"))
+    assert _frames.is_runner(str(link / "in_rank" / "worker" / "running.py")) and _frames.short(
+        str(link / "in_rank" / "worker" / "running.py")
+    ) == ("autoddp/in_rank/worker/running.py")
     # _frames itself imported through the link finds autoddp's real folder
-    spec = importlib.util.spec_from_file_location("frames_through_a_link", link / "_frames.py")
+    spec = importlib.util.spec_from_file_location("frames_through_a_link", link / "core" / "_frames.py")
     linked = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(linked)
-    assert linked.__file__ == str(link / "_frames.py")
+    assert linked.__file__ == str(link / "core" / "_frames.py")
     assert str(PACKAGE) + os.sep == linked.AUTODDP
-    assert linked.is_autoddp(str(link / "capture" / "_registry.py"))
+    assert linked.is_autoddp(str(link / "in_rank" / "capture" / "_registry.py"))
     # the user's own code reached through a link stays the user's
     (tmp_path / "project").mkdir()
     (tmp_path / "work").symlink_to(tmp_path / "project", target_is_directory=True)
@@ -113,7 +113,7 @@ def test_the_users_frame_is_the_first_beyond_the_libraries_and_none_beyond_the_c
     assert passed.f_code.co_name == "run"  # ``also`` passes frames of the user's too
     # called by autoddp's call path directly (the user's ``outer`` never ran): no user frame, even
     # though this test's own frames (the user's) lie beyond the call path
-    runner = _stack(tmp_path, str(PACKAGE / "worker" / "running.py"))
+    runner = _stack(tmp_path, str(PACKAGE / "in_rank" / "worker" / "running.py"))
     assert runner["lib"]() is not None  # (this test itself is the user's code)
     assert runner["run"](lambda frame: frame.f_code.co_name == "outer") is None
 
@@ -121,7 +121,7 @@ def test_the_users_frame_is_the_first_beyond_the_libraries_and_none_beyond_the_c
 def test_tracebacks_lose_the_hang_marks_around_torchs_collectives(tmp_path):
     space: dict = {}
     _code(str(tmp_path / "lib.py"), "def all_reduce():\n    raise RuntimeError('peer gone')\n", space)
-    _code(str(PACKAGE / "hang" / "marks.py"), "def marked():\n    return all_reduce()\n", space)
+    _code(str(PACKAGE / "in_rank" / "hang" / "marks.py"), "def marked():\n    return all_reduce()\n", space)
     _code(str(tmp_path / "train.py"), "def train():\n    marked()\n", space)
     try:
         space["train"]()
@@ -152,7 +152,7 @@ def test_warnings_point_at_the_users_line(tmp_path):
 def test_tracebacks_lose_their_leading_runner_frames(tmp_path):
     space: dict = {}
     _code(str(tmp_path / "train.py"), "def train():\n    raise ValueError('bad')\n", space)
-    _code(str(PACKAGE / "worker" / "running.py"), "def run(fn):\n    return fn()\n", space)
+    _code(str(PACKAGE / "in_rank" / "worker" / "running.py"), "def run(fn):\n    return fn()\n", space)
     _code("<frozen runpy>", "def run_code(fn):\n    return run(fn)\n", space)
     try:
         space["run_code"](space["train"])
@@ -172,7 +172,7 @@ def test_tracebacks_lose_their_leading_runner_frames(tmp_path):
 
 
 def test_runner_lines_of_dumps_and_tracebacks():
-    running = PACKAGE / "worker" / "running.py"
+    running = PACKAGE / "in_rank" / "worker" / "running.py"
     assert _frames.runner_line(f'  File "{running}", line 120 in run_in_world')  # faulthandler
     assert _frames.runner_line(f'  File "{running}", line 120, in run_in_world')  # traceback
     assert _frames.runner_line('  File "<frozen runpy>", line 88 in _run_code')
@@ -184,10 +184,7 @@ def test_runner_lines_of_dumps_and_tracebacks():
 # --- no other module decides it on its own ------------------------------------------------------
 
 #: ``__file__`` uses that remain outside _frames, and why (module, source of the expression).
-_FILE_USES = {
-    # recognises the hang report's own poller thread in a dump, to leave it out (not a frame rule)
-    ("launch/failures.py", "pending.__file__"),
-}
+_FILE_USES: set[tuple[str, str]] = set()
 
 
 def _offences(source: str, relative: str) -> list[str]:
@@ -234,7 +231,7 @@ def test_no_other_module_decides_whose_frame_it_is():
     offences = [
         offence
         for path in sorted(PACKAGE.rglob("*.py"))
-        if path.name != "_frames.py" or path.parent != PACKAGE
+        if path.name != "_frames.py" or path.parent != PACKAGE / "core"
         for offence in _offences(path.read_text(), path.relative_to(PACKAGE).as_posix())
     ]
     assert offences == []

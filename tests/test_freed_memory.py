@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from autoddp.environment import hardware
+from autoddp.core.environment import hardware
 from conftest import run_python, write
 
 pytestmark = pytest.mark.timeout(240)

@@ -22,8 +22,8 @@ from helpers import free_port, gone
 
 import autoddp
 from autoddp import ConfigurationError, WorkerError, cli
+from autoddp.in_rank.world import process_group
 from autoddp.options import Options
-from autoddp.world import process_group
 from conftest import run_python, write
 
 # --- a worker that ends without its function's result ----------------------------------------
@@ -147,7 +147,7 @@ def test_an_infinite_hang_report_is_off():
 def _timeout_given() -> float:
     import torch.distributed as dist
 
-    from autoddp.state import CURRENT
+    from autoddp.core.state import CURRENT
 
     if dist.get_rank() == 1:
         time.sleep(1)  # a late rank: the others wait for it, as with any timeout

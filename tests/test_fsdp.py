@@ -14,7 +14,7 @@ from torch import nn
 
 import autoddp
 from autoddp import ConfigurationError
-from autoddp.models.fsdp import units
+from autoddp.in_rank.models.fsdp import units
 from conftest import FSDP_MISSING, run_python, write
 
 if FSDP_MISSING:  # (module-level runs below shard models as the module loads)

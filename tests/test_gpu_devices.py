@@ -20,11 +20,11 @@ import numpy
 import pytest
 import torch
 
-from autoddp import _compat
-from autoddp.capture.devices import Devices
-from autoddp.errors import ConfigurationError
-from autoddp.state import World
-from autoddp.world import placement
+from autoddp.core import _compat
+from autoddp.core.errors import ConfigurationError
+from autoddp.core.state import World
+from autoddp.in_rank.capture.devices import Devices
+from autoddp.in_rank.world import placement
 from conftest import write
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,7 +93,7 @@ if os.environ.get("FAKE_GPUS"):  # (forked workers inherit it from the caller or
         return self
 
     torch.UntypedStorage.cuda = storage_cuda
-    from autoddp import _compat
+    from autoddp.core import _compat
     if _compat.accelerator() is not None:  # (torch >= 2.6)
         _compat.accelerator().set_device_index = lambda device: record("set_device_index", device)
     import torch.utils._device as device_module
@@ -231,7 +231,7 @@ import torch
 import torch.serialization as serialization
 from torch import nn
 import autoddp
-from autoddp import _compat
+from autoddp.core import _compat
 
 ON_GPU, RESTORED = set(), []
 

@@ -18,7 +18,7 @@ from torch import nn
 
 import autoddp
 from autoddp import ConfigurationError
-from autoddp.models import _start
+from autoddp.in_rank.models import _start
 
 WIDTH, DEPTH = 1024, 16  # 16 units of 4 MiB: 64 MiB of float32 parameters
 MIB = 2**20
@@ -244,10 +244,10 @@ def _train_and_return(start: dict) -> tuple:
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_only_rank_0_copies_the_result_to_host_memory(tmp_path, monkeypatch, strategy):
-    import autoddp.worker.process
+    import autoddp.in_rank.worker.process
 
-    recording = _recording_host_copies(autoddp.worker.process.portable, tmp_path)
-    monkeypatch.setattr(autoddp.worker.process, "portable", recording)
+    recording = _recording_host_copies(autoddp.in_rank.worker.process.portable, tmp_path)
+    monkeypatch.setattr(autoddp.in_rank.worker.process, "portable", recording)
     torch.manual_seed(0)
     start = Net().state_dict()
     model, extra = autoddp.distributed(nproc=2, strategy=strategy)(_train_and_return)(start)

@@ -17,11 +17,11 @@ import sys
 import pytest
 from torch.distributed import constants
 
-from autoddp import _compat
+from autoddp.core import _compat
+from autoddp.core.state import World
+from autoddp.in_rank.world.process_group import Backend, group_arguments
 from autoddp.launch.diagnostics import nccl_variables
 from autoddp.launch.side_gloo import side_gloo_variables
-from autoddp.state import World
-from autoddp.world.process_group import Backend, group_arguments
 from conftest import run_python, write
 
 GPUS = Backend("cpu:gloo,cuda:nccl", use_cuda=True)

@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 from test_hang import Run, line_of
 
-from autoddp.hang import marks as hang_marks
-from autoddp.hang import pending, record, verdict
+from autoddp.in_rank.hang import marks as hang_marks
+from autoddp.in_rank.hang import pending, record
+from autoddp.launch.hang import verdict
 from conftest import write
 
 pytestmark = pytest.mark.timeout(120)

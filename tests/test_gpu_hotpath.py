@@ -54,7 +54,7 @@ class _Many(nn.Module):
 
 def _check_cost(tensors: int) -> float:
     """Best microseconds of the check before a forward with gradients (``Replica.for_call``)."""
-    from autoddp.models import _routing
+    from autoddp.in_rank.models import _routing
 
     model = autoddp.prepare(_Many(tensors))
     replica = model.__dict__[_routing.REPLICA_ATTR]
@@ -64,8 +64,8 @@ def _check_cost(tensors: int) -> float:
 
 def _watchers() -> dict:
     """Which submodules count calls made beside the DDP: only those of a model an optimizer's guard reads."""
-    from autoddp import _compat
-    from autoddp.models import _averaging
+    from autoddp.core import _compat
+    from autoddp.in_rank.models import _averaging
 
     prepared = autoddp.prepare(_layers())
     _averaged(prepared, torch.float32)
@@ -152,9 +152,9 @@ def test_every_change_is_seen_and_the_check_does_not_grow_with_the_parameters():
 
 def _compat_counts() -> dict:
     """How many events each change the DDP must see adds (``_compat.watch_parameter_changes``)."""
-    from autoddp import _compat
-    from autoddp.models import ddp
-    from autoddp.state import CURRENT
+    from autoddp.core import _compat
+    from autoddp.core.state import CURRENT
+    from autoddp.in_rank.models import ddp
 
     base = torch._C.TensorBase
     assert type(base.__dict__["data"]).__name__ == "getset_descriptor", "TensorBase.data moved"

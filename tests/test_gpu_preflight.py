@@ -19,9 +19,9 @@ import sys
 import pytest
 from helpers import open_mpi_rank, torchrun_worker
 
-from autoddp import environment
-from autoddp.environment import preflight
-from autoddp.errors import ConfigurationError
+from autoddp.core import environment
+from autoddp.core.environment import preflight
+from autoddp.core.errors import ConfigurationError
 from conftest import write
 
 MIB = 1 << 20

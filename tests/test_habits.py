@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 import autoddp
-from autoddp.models.ddp import is_wrapped
+from autoddp.in_rank.models.ddp import is_wrapped
 
 STEPS = 3
 LR = 0.1

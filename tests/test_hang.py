@@ -20,8 +20,9 @@ import pytest
 from helpers import free_port
 
 from autoddp import ConfigurationError, distributed
-from autoddp.hang import message, record, stacks, verdict
-from autoddp.hang.watch import Watch
+from autoddp.in_rank.hang import record
+from autoddp.launch.hang import message, stacks, verdict
+from autoddp.launch.hang.watch import Watch
 from conftest import write
 
 pytestmark = pytest.mark.timeout(120)

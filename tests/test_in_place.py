@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from autoddp.environment import SlurmStep, shared_port, slurm_port
+from autoddp.core.environment import SlurmStep, shared_port, slurm_port
 from conftest import write
 
 SCRIPT = """

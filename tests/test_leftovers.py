@@ -15,7 +15,7 @@ import time
 import pytest
 from helpers import gone
 
-from autoddp import _leftovers
+from autoddp.core import _leftovers
 from conftest import write
 
 SLEEPER = """

@@ -20,7 +20,7 @@ from helpers import fork_or_skip
 from torch import nn
 
 import autoddp
-from autoddp import models
+from autoddp.in_rank import models
 from conftest import needs_fsdp
 
 N = 16  # samples: each rank takes its half, one process the whole (mean losses: the same step)
@@ -198,7 +198,7 @@ def test_an_optimizer_over_a_model_the_call_cannot_reach_is_said():
     def fit(holder: Holder) -> list[str]:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            from autoddp._prepare import prepare_call
+            from autoddp.in_rank._prepare import prepare_call
 
             prepare_call(fit.__wrapped__, (holder,), {})  # (what the call did before the body ran)
         return [str(w.message) for w in caught]

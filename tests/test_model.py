@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import autoddp
-from autoddp.models.ddp import ddp_of, is_wrapped
+from autoddp.in_rank.models.ddp import ddp_of, is_wrapped
 
 
 class Net(nn.Module):
@@ -261,7 +261,7 @@ def test_sync_batchnorm_option_and_hint():
     (hint,) = [m for m in messages if "BatchNorm layers" in m]
     # on CPU the hint must not recommend sync_batchnorm=True, which fails there
     assert "sync_batchnorm=True" not in hint and "CUDA only" in hint
-    from autoddp.models.statistics import batchnorm_hint as _batchnorm_hint
+    from autoddp.in_rank.models.statistics import batchnorm_hint as _batchnorm_hint
 
     assert "sync_batchnorm=True" in _batchnorm_hint("BNNet", "cuda:0")
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from autoddp import ConfigurationError
-from autoddp.environment import mpi, network
+from autoddp.core.environment import mpi, network
 from conftest import run_python
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's interface tables")
@@ -147,7 +147,7 @@ def test_no_route_to_the_master_is_a_clear_error():
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     if "autoddp-h0" not in names:
         pytest.skip("network namespace autoddp-h0 does not exist: tests/clusters/setup.sh start makes it")
-    probe = "from autoddp.environment import network; network.route_to('192.0.2.77')"
+    probe = "from autoddp.core.environment import network; network.route_to('192.0.2.77')"
     proc = subprocess.run(
         ["ip", "netns", "exec", "autoddp-h0", sys.executable, "-c", probe], capture_output=True, text=True
     )

@@ -23,7 +23,7 @@ import sys
 import torch
 import torch.distributed as dist
 import autoddp
-from autoddp import console
+from autoddp.in_rank import console
 sys.executable
 """,
     """

@@ -1,4 +1,4 @@
-"""The one patch engine (``autoddp._patches``): units install and restore exactly, nest in any order,
+"""The one patch engine (``autoddp.core._patches``): units install and restore exactly, nest in any order,
 leave someone else's replacement alone; and after every kind of run torch is exactly as before.
 
 The attributes checked after the runs come from the engine's own registry of everything it ever
@@ -18,7 +18,7 @@ from helpers import fork_or_skip, free_port
 from patch_inspection import defining_value, inspected, reports, signature_faults
 
 import autoddp
-from autoddp import _patches
+from autoddp.core import _patches
 from conftest import needs_fsdp, run_python, write
 
 
@@ -117,8 +117,8 @@ def test_an_install_that_fails_halfway_leaves_nothing():
 @pytest.mark.unit
 def test_capture_device_habits_leave_torch_as_it_was():
     # (their patches are made on a machine with GPUs; installing them touches no GPU)
-    from autoddp.capture.devices import Devices
-    from autoddp.state import World
+    from autoddp.core.state import World
+    from autoddp.in_rank.capture.devices import Devices
 
     devices = Devices(World(world_size=2, local_world_size=2), lambda: None)
     devices.own = 0
@@ -261,8 +261,8 @@ import json, os, sys
 sys.path.insert(0, {tests!r})
 import torch
 import autoddp
-from autoddp import _compat, _patches
-from autoddp._compat import names
+from autoddp.core import _compat, _patches
+from autoddp.core._compat import names
 from patch_inspection import defining_value, signature_faults
 
 seen = {{}}
@@ -344,8 +344,8 @@ def test_every_wrapper_takes_the_call_as_the_original_does(tmp_path, strategy):
 @pytest.mark.unit
 def test_device_habit_wrappers_take_the_call_as_the_original_does():
     # (installed only with GPUs: here as on a machine with one, touching no GPU)
-    from autoddp.capture.devices import Devices
-    from autoddp.state import World
+    from autoddp.core.state import World
+    from autoddp.in_rank.capture.devices import Devices
 
     devices = Devices(World(world_size=2, local_world_size=2), lambda: None)
     devices.own = 0

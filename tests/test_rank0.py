@@ -18,8 +18,8 @@ import torch.distributed as dist
 from helpers import gather
 
 import autoddp
-from autoddp.errors import CollectiveInRank0Error, ConfigurationError, Rank0Error
-from autoddp.rank_zero.block import _KEY_PREFIX, rank0
+from autoddp.core.errors import CollectiveInRank0Error, ConfigurationError, Rank0Error
+from autoddp.in_rank.rank_zero.block import _KEY_PREFIX, rank0
 from conftest import run_python, write
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -200,7 +200,7 @@ def test_a_collective_in_a_rank0_block_is_the_error_the_caller_gets():
 
 @pytest.mark.unit
 def test_a_collective_refused_in_rank0_is_a_cause_and_rank0error_a_consequence(tmp_path):
-    from autoddp.world import transport
+    from autoddp.in_rank.run_folder import transport
 
     for rank, error in enumerate([CollectiveInRank0Error("all_reduce() in the block"), Rank0Error("failed")]):
         transport.save_error(str(tmp_path), rank, error)
@@ -308,7 +308,7 @@ def test_module_level_block_in_a_script_run_once_per_rank(tmp_path):
         import sys
         import torch.distributed as dist
         import autoddp
-        from autoddp.rank_zero.block import rank0
+        from autoddp.in_rank.rank_zero.block import rank0
 
         dist.init_process_group("gloo")
         with rank0():
@@ -330,7 +330,7 @@ COVERAGE_SCRIPT = """
     import os, sys
     import torch.distributed as dist
     import autoddp
-    from autoddp.rank_zero.block import rank0
+    from autoddp.in_rank.rank_zero.block import rank0
 
 
     def helper(rank):
@@ -451,7 +451,7 @@ def test_skip_mechanics_on_other_pythons(python):
 def test_skip_mechanics_under_coverage(tmp_path, core):
     pytest.importorskip("coverage")
     script = os.path.join(HERE, "skip_mechanics.py")
-    # 3.12.1 + coverage (ctrace, pytrace) crashes on a skip in a thread: see autoddp/rank_zero/skip.py.
+    # 3.12.1 + coverage (ctrace, pytrace) crashes on a skip in a thread: see in_rank/rank_zero/skip.py.
     firsts = ("one-line", "empty") if sys.version_info[:2] == (3, 12) else ("one-line", "empty", "thread")
     for first in firsts:
         proc = subprocess.run(

@@ -11,7 +11,7 @@ import zipfile
 
 import pytest
 
-from autoddp import _compat
+from autoddp.core import _compat
 from conftest import run_python, write
 
 #: Runs of 2 processes, several at once (spawned loader workers, compiles): slow on a busy machine.

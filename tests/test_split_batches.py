@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 import autoddp
 from autoddp import ConfigurationError
-from autoddp.data.split import part_bounds
+from autoddp.in_rank.data.split import part_bounds
 from conftest import run_python, write
 
 pytestmark = pytest.mark.timeout(150)

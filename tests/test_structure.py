@@ -172,7 +172,7 @@ def test_the_layer_table_is_checked():
     assert layers["front doors"][-1] == "autoddp" and "worker" in layers["leaves"]
     layer = _layer_of_each_module()
     assert layer["autoddp.launch.local"] == [row for row, _ in _layers()].index("launching")
-    assert layer["autoddp.capture.passes"] == [row for row, _ in _layers()].index("in a world")
+    assert layer["autoddp.in_rank.capture.passes"] == [row for row, _ in _layers()].index("in a world")
 
 
 @pytest.mark.unit
@@ -181,16 +181,16 @@ def test_few_modules_at_the_root_and_strategies_behind_their_seam():
     assert len(root) <= MAX_ROOT_MODULES, root
     modules = _modules()
     strategies = {
-        "autoddp.models." + n
+        "autoddp.in_rank.models." + n
         for n in ("ddp", "fsdp", "_routing", "_averaging", "_reduction", "_reads", "_start", "_fsdp_state")
     }
     reached = sorted(
         f"{name} imports {target}"
         for name, path in modules.items()
-        if not name.startswith("autoddp.models")
+        if not name.startswith("autoddp.in_rank.models")
         for target in _imports(path, modules) & strategies
     )
-    assert reached == [], "strategy-specific code is reached through autoddp.models only"
+    assert reached == [], "strategy-specific code is reached through autoddp.in_rank.models only"
 
 
 def test_every_module_imports_first_in_a_fresh_interpreter():
@@ -263,7 +263,7 @@ def test_the_public_api_is_the_documented_one():
         "unwrap",
         "world_size",
     ]
-    from autoddp import console
+    from autoddp.in_rank import console
 
     assert autoddp.print is console.print and "print" not in autoddp.__all__
     pages = "".join(p.read_text() for p in sorted((PACKAGE.parent / "docs").rglob("*.md")))
@@ -285,7 +285,7 @@ def test_the_package_ships_its_license_and_type_marker():
 
 @pytest.mark.unit
 def test_each_autoddp_variable_is_spelled_once():
-    """The launcher-worker contract's names live in ``autoddp/_variables.py``, nowhere else."""
+    """The launcher-worker contract's names live in ``autoddp/core/_variables.py``, nowhere else."""
     spelled = sorted(
         f"{path.relative_to(PACKAGE)}: {name}"
         for path in PACKAGE.rglob("*.py")

@@ -20,9 +20,9 @@ import torch
 from click.testing import CliRunner
 from helpers import free_port
 
-from autoddp import _compat
 from autoddp.cli import main
 from autoddp.command import torchrun_flags
+from autoddp.core import _compat
 from autoddp.launch import contract
 from conftest import run_python, write
 
@@ -134,8 +134,10 @@ def test_master_port_start_method_and_the_lines_that_stop_a_run(tmp_path):
         holder.close()
     seen = _seen(runs[0])
     assert {r["env"]["MASTER_PORT"] for r in seen.values()} == {str(port)}  # a port opened in a firewall
-    assert all("autoddp.worker.script" in r["argv"] for r in _seen(runs[1]).values())  # fresh interpreters
-    assert all("autoddp.worker.script" not in r["argv"] for r in seen.values())  # forked by default
+    assert all(
+        "autoddp.in_rank.worker.script" in r["argv"] for r in _seen(runs[1]).values()
+    )  # fresh interpreters
+    assert all(script not in r["argv"] for r in seen.values())  # forked by default
     lines_say = [f"--master-port {taken}: port {taken} .* cannot be used", "192.0.2.1", "/proc"]
     for done, says in zip(runs[2:], lines_say, strict=True):
         lines = done.stderr.strip().splitlines()
@@ -218,7 +220,7 @@ def test_env_describes_what_the_command_would_do_here(monkeypatch):
 
 def test_pet_variables_nproc_keywords_and_rdzv_endpoint_as_torchrun(tmp_path, monkeypatch):
     from autoddp.command import arguments
-    from autoddp.environment import hardware
+    from autoddp.core.environment import hardware
 
     script = str(write(tmp_path / "env.py", SCRIPT))
     port = free_port()

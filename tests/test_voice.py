@@ -175,7 +175,7 @@ def test_training_in_processes_the_script_starts_itself_is_said(tmp_path, method
 
 @pytest.mark.unit
 def test_a_line_is_said_again_for_another_live_object_only():
-    from autoddp.capture._notice import Notice
+    from autoddp.in_rank.capture._notice import Notice
 
     class Loader:  # (any object that takes a weak reference)
         pass

@@ -16,9 +16,9 @@ from typing import Any, NoReturn
 
 import click
 
-from autoddp._warn import say
 from autoddp.command import torchrun_flags
-from autoddp.environment import hardware
+from autoddp.core._warn import say
+from autoddp.core.environment import hardware
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

@@ -6,7 +6,7 @@ import click
 
 from autoddp.command import arguments, report
 from autoddp.command.arguments import fail
-from autoddp.errors import ConfigurationError
+from autoddp.core.errors import ConfigurationError
 
 
 @click.command(

@@ -17,9 +17,9 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from autoddp import _compat, environment
-from autoddp.environment import hardware, network
-from autoddp.state import World
+from autoddp.core import _compat, environment
+from autoddp.core.environment import hardware, network
+from autoddp.core.state import World
 
 _WIDTH = 100
 _LABEL = 15
@@ -135,8 +135,8 @@ def _launch_section(
 
 def _command_section(environ: Mapping[str, str], gpus: int, nproc: int | None) -> list[str]:
     """What ``autoddp script.py`` would do here: processes, threads, backend, start, network."""
+    from autoddp.in_rank.world import process_group
     from autoddp.launch import start_method as launch
-    from autoddp.world import process_group
 
     env = environment.detect(environ)
     if env.launched:
@@ -278,7 +278,7 @@ def _gpus(count: int, name_gpus: bool) -> str:
 
 
 def _backend(gpus: int) -> str:
-    from autoddp.world import process_group
+    from autoddp.in_rank.world import process_group
 
     backend = process_group.resolve_backend(None, gpus)
     why = "CUDA tensors on NCCL, CPU tensors on gloo" if backend.use_cuda else "no GPU: CPU processes"
@@ -286,8 +286,8 @@ def _backend(gpus: int) -> str:
 
 
 def _start_method(gpus: int) -> str:
+    from autoddp.in_rank.world import process_group
     from autoddp.launch import start_method as launch
-    from autoddp.world import process_group
 
     method, reason = launch.choose_start_method("auto", process_group.resolve_backend(None, gpus))
     return f"{method} ({reason})"

@@ -12,16 +12,16 @@ import signal
 
 import click
 
-from autoddp import environment
-from autoddp._warn import one_line, say
 from autoddp.command.arguments import as_flags, fail
-from autoddp.errors import ConfigurationError, NodesError, RemoteTraceback, WorkerError
-from autoddp.hang import record as hang_record
+from autoddp.core import environment
+from autoddp.core._warn import one_line, say
+from autoddp.core.errors import ConfigurationError, NodesError, RemoteTraceback, WorkerError
+from autoddp.in_rank.hang import record as hang_record
+from autoddp.in_rank.run_folder import transport
 from autoddp.launch import in_place, local, nodes
 from autoddp.launch import output as launch_output
 from autoddp.launch import plan as launch_plan
 from autoddp.launch.contract import DEFAULT_ROLE
-from autoddp.world import transport
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,7 @@ def run_nodes(plan: launch_plan.Nodes, run: Run) -> int:
             nodes.run_agent(
                 plan,
                 run.nproc,
-                ["-m", "autoddp.worker.script", *run.argv],
+                ["-m", "autoddp.in_rank.worker.script", *run.argv],
                 folder=folder,
                 output=run.output,
                 max_restarts=run.max_restarts,

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from autoddp import _compat
+from autoddp.core import _compat
 
 #: The class attribute of a swapped class that names the user's own class.
 PLAIN_CLASS = "_autoddp_plain_class"

@@ -9,9 +9,9 @@ ran the user's code: all of them ask this module. A file is:
 - **a library's** when it is autoddp's, one of Python's frozen modules (``<frozen runpy>``), or
   lies under the standard library, a site-packages folder, or torch's or wrapt's own folder;
 - **a runner's** (its frames are below the user's code, never part of it) for autoddp's call path
-  (``worker/running.py``, ``worker/process.py``, ``worker/script.py``) and ``runpy``;
+  (``in_rank/worker/running.py``, ``process.py``, ``script.py``) and ``runpy``;
 - **a pass-through** (left out of tracebacks, kept in stacks) for the hang report's marks and
-  capture's ``open`` (``capture/opens.py``);
+  capture's ``open`` (``in_rank/capture/opens.py``);
 - **the user's** otherwise, code given as text (``<string>``, ``<stdin>``) included.
 
 This module imports nothing of autoddp (a leaf) and never imports torch or wrapt: it finds where
@@ -31,12 +31,12 @@ import types
 from collections.abc import Callable
 
 #: autoddp's own package folder (real path, ending in a separator).
-AUTODDP = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(__file__))), "")
+AUTODDP = os.path.join(os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "")
 #: autoddp's call path, named once: the user's code runs below these frames.
-CALL_PATH = ("worker/running.py", "worker/process.py", "worker/script.py")
+CALL_PATH = ("in_rank/worker/running.py", "in_rank/worker/process.py", "in_rank/worker/script.py")
 #: autoddp's frames that only pass a call of the user's on (the hang report's marks around torch's
 #: collectives, capture's ``open``): left out of the tracebacks shown to the user.
-PASS_THROUGH = ("hang/marks.py", "capture/opens.py")
+PASS_THROUGH = ("in_rank/hang/marks.py", "in_rank/capture/opens.py")
 #: Libraries found by their own folder (also where they are not installed in site-packages).
 _PACKAGES = ("torch", "wrapt")
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import sys
 import warnings
 
-from autoddp import _frames
-from autoddp.errors import AutoDDPWarning
-from autoddp.state import CURRENT
+from autoddp.core import _frames
+from autoddp.core.errors import AutoDDPWarning
+from autoddp.core.state import CURRENT
 
 PREFIX = "autoddp: "
 

@@ -107,5 +107,5 @@ class CollectiveInRank0Error(AutoDDPError):
 class TorchCompatibilityError(AutoDDPError, RuntimeError):
     """This torch lacks a private piece autoddp relies on (it changed between releases).
 
-    Raised by ``autoddp._compat`` instead of guessing; the message names the piece and the fix.
+    Raised by ``autoddp.core._compat`` instead of guessing; the message names the piece and the fix.
     """

@@ -4,7 +4,7 @@
 process takes part in one: the world it joined, the run's options, the timeout its process
 group was given, the user's function being run, and the models wrapped for it (so that they can
 let go of their process group before it ends). ``CURRENT`` is the only instance; the
-process-group lifecycle (``autoddp.world.process_group.joined``) is the only code that enters and
+process-group lifecycle (``autoddp.in_rank.world.process_group.joined``) is the only code that enters and
 leaves a world. A leaf module: nothing here imports the rest of autoddp.
 """
 
@@ -39,7 +39,7 @@ class RunOptions:
     strategy: str = "ddp"
     ddp_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     sync_batchnorm: bool = False
-    #: Find models, loaders and saves in the user's code by themselves (``autoddp.capture``).
+    #: Find models, loaders and saves in the user's code by themselves (``autoddp.in_rank.capture``).
     capture: bool = True
     #: FSDP: module classes (or their names) that get their own ``fully_shard``; () lets autoddp choose.
     fsdp_blocks: tuple[Any, ...] = ()
@@ -47,7 +47,7 @@ class RunOptions:
     mixed_precision: Any = None
     #: FSDP: keep the parameters' shards on the CPU between uses.
     cpu_offload: bool = False
-    #: The script's batch is the global batch: each rank takes its part (``autoddp.data.split``).
+    #: The script's batch is the global batch: each rank takes its part (``autoddp.in_rank.data.split``).
     split_batches: bool = False
 
 
@@ -69,7 +69,7 @@ class Run:
         self.function: tuple[str, int] | None = None
         #: (the torch seed autoddp gave this worker, the caller's torch seed), while it runs the call.
         self.seeds: tuple[int, int] | None = None
-        #: The capture session while the user's code runs with capture on (``autoddp.capture``).
+        #: The capture session while the user's code runs with capture on (``autoddp.in_rank.capture``).
         self.capture: Any = None
         #: Whether this process has capture's audit hook (``capture.shared_files``: added once).
         self.audit_hook = False

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from autoddp import _containers, _warn
-from autoddp.errors import ConfigurationError
-from autoddp.state import CURRENT
-from autoddp.world import current
+from autoddp.core import _containers, _warn
+from autoddp.core.errors import ConfigurationError
+from autoddp.core.state import CURRENT
+from autoddp.in_rank.world import current
 
 
 def prepare(obj: Any, *, split_batches: bool | None = None) -> Any:
@@ -66,7 +66,7 @@ prepare.dispatch = _prepare.dispatch  # type: ignore[attr-defined]
 
 @_prepare.register
 def _prepare_module(obj: torch.nn.Module) -> torch.nn.Module:
-    from autoddp import models
+    from autoddp.in_rank import models
 
     return models.wrap(obj, _joined_world(), CURRENT.options)
 
@@ -91,14 +91,14 @@ def _joined_world() -> Any:
 
 @_prepare.register
 def _prepare_optimizer(obj: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    from autoddp import models
+    from autoddp.in_rank import models
 
     return models.bind_optimizer(obj)  # over sharded parameters: loads full state into the shards
 
 
 @_prepare.register
 def _prepare_loader(obj: DataLoader) -> DataLoader:
-    from autoddp.data.loaders import shard_loader
+    from autoddp.in_rank.data.loaders import shard_loader
 
     return shard_loader(obj, current())
 
@@ -187,7 +187,7 @@ def _wrap_trained(found: list[Any]) -> list[tuple[torch.nn.Module, torch.optim.O
     outermost modules in ``found``), so that an optimizer made before the call is an optimizer;
     say which parameters belong to no model the call reaches. Returns each model wrapped here
     with the (first) optimizer that trains it."""
-    from autoddp import models
+    from autoddp.in_rank import models
 
     optimizers = [item for item in found if isinstance(item, torch.optim.Optimizer)]
     if not optimizers:

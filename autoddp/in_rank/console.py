@@ -18,7 +18,8 @@ import sys
 from collections.abc import Iterable
 from typing import Any, Protocol, TypeVar
 
-from autoddp import _variables, world
+from autoddp.core import _variables
+from autoddp.in_rank import world
 
 T = TypeVar("T")
 

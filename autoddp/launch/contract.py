@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from autoddp import _variables
-from autoddp.environment import LOOPBACK, hardware
+from autoddp.core import _variables
+from autoddp.core.environment import LOOPBACK, hardware
 from autoddp.launch import diagnostics
 from autoddp.launch.side_gloo import side_gloo_variables
 

@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
 
-from autoddp._warn import say
+from autoddp.core._warn import say
 
 #: The dump of rank R is ``<folder>/nccl_trace_rank_R`` (``torchfrtrace FOLDER -p nccl_trace_rank_``).
 TRACE_PREFIX = "nccl_trace_rank_"

@@ -19,10 +19,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from autoddp import _variables
-from autoddp._warn import one_line, say
-from autoddp.errors import WorkerError
-from autoddp.world import finished, transport
+from autoddp.core import _variables
+from autoddp.core._warn import one_line, say
+from autoddp.core.errors import WorkerError
+from autoddp.in_rank.run_folder import finished, transport
 
 #: How long every rank may take to end once all have finished the user's code.
 EXIT_SECONDS = 30.0

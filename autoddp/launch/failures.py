@@ -10,11 +10,12 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from autoddp import _compat, _frames
-from autoddp.errors import UnevenBatchesError, WorkerError
-from autoddp.hang import message, pending, record
-from autoddp.world import transport
-from autoddp.world.finished import finished_ranks
+from autoddp.core import _compat, _frames
+from autoddp.core.errors import UnevenBatchesError, WorkerError
+from autoddp.in_rank.hang import record
+from autoddp.in_rank.run_folder import transport
+from autoddp.in_rank.run_folder.finished import finished_ranks
+from autoddp.launch.hang import message
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +168,7 @@ def _explain_finished(
 
 def _uneven_batches(lead: BaseException, folder: str, world_size: int) -> BaseException:
     """``lead``, or the error naming the rank that ran out of batches first where one did."""
-    from autoddp.capture import passes
+    from autoddp.in_rank.capture import passes
 
     sentence = passes.uneven(folder, world_size)
     if sentence is None:
@@ -235,7 +236,7 @@ def _without_our_threads(stack: str) -> str:
     where the script runner's frames begin (neither is the user's business)."""
     kept = []
     for block in stack.split("\n\n"):
-        if pending.__file__ in block:
+        if f" in {record.POLLER}\n" in block + "\n":
             continue
         lines = block.splitlines()
         end = next((n for n, line in enumerate(lines) if _frames.runner_line(line)), len(lines))

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from autoddp._warn import say
+from autoddp.core._warn import say
 
 LOST_AFTER = 5.0  # seconds without a pulse before a node is said to be unreachable
 _PERIOD = 1.0

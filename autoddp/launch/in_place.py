@@ -1,10 +1,10 @@
 """The ``autoddp`` command inside a launched world (srun, mpirun, torchrun): the script runs in place.
 
-No second layer of workers: this process becomes the script (``python -m autoddp.worker.script``),
+No second layer of workers: this process becomes the script (``python -m autoddp.in_rank.worker.script``),
 with torchrun's variables set from the world the launcher describes, so a torchrun-style script
 (``dist.init_process_group("gloo")``, which reads ``env://``) runs unchanged under ``srun`` and
 ``mpirun``, which set none of them. In a world that spans machines the network interface that
-reaches rank 0 is named too (``autoddp.environment.network``), unless the user named one.
+reaches rank 0 is named too (``autoddp.core.environment.network``), unless the user named one.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import sys
 from collections.abc import Mapping
 from typing import NoReturn
 
-from autoddp._warn import say
-from autoddp.environment import network
-from autoddp.state import World
+from autoddp.core._warn import say
+from autoddp.core.environment import network
+from autoddp.core.state import World
 
 
 def script_environment(world: World, environ: Mapping[str, str]) -> dict[str, str]:
@@ -42,8 +42,8 @@ def script_environment(world: World, environ: Mapping[str, str]) -> dict[str, st
 
 
 def exec_script(argv: list[str], world: World) -> NoReturn:
-    """Become ``python -m autoddp.worker.script ARGV`` in ``world`` (never returns)."""
+    """Become ``python -m autoddp.in_rank.worker.script ARGV`` in ``world`` (never returns)."""
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    command = [sys.executable, "-m", "autoddp.worker.script", *argv]
+    command = [sys.executable, "-m", "autoddp.in_rank.worker.script", *argv]
     os.execve(sys.executable, command, script_environment(world, os.environ))

@@ -15,23 +15,23 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from autoddp import _variables, _warn
-from autoddp._warn import one_line, say
-from autoddp.environment import LOOPBACK, preflight
-from autoddp.errors import ConfigurationError, SerializationError, WorkerError
-from autoddp.hang import record as hang_record
-from autoddp.hang.watch import Watch
+from autoddp.core import _variables, _warn
+from autoddp.core._warn import one_line, say
+from autoddp.core.environment import LOOPBACK, preflight
+from autoddp.core.errors import ConfigurationError, SerializationError, WorkerError
+from autoddp.in_rank.hang import record as hang_record
+from autoddp.in_rank.run_folder import transport
+from autoddp.in_rank.worker import process, stdin
+from autoddp.in_rank.worker.running import Job
 from autoddp.launch import diagnostics, failures
 from autoddp.launch.contract import DEFAULT_ROLE, Contract, worker_envs
 from autoddp.launch.exits import Exits
 from autoddp.launch.failures import first_failure
+from autoddp.launch.hang.watch import Watch
 from autoddp.launch.output import Output, announce_exit, show_hidden_output
 from autoddp.launch.start_method import choose_start_method, preload_for_forked_workers
 from autoddp.launch.store import loopback_store
 from autoddp.launch.supervise import POLL_SECONDS, acting_on_signals, supervise
-from autoddp.worker import process, stdin
-from autoddp.worker.running import Job
-from autoddp.world import transport
 
 #: For one attempt's run folder: the entry point and each local rank's arguments.
 Workers = Callable[[str], tuple[Any, dict[int, tuple]]]
@@ -53,7 +53,7 @@ def launch_function(
 
     After a failure the whole group starts again, up to ``max_restarts`` times (not for errors
     that would only repeat: a bad configuration, something that cannot be pickled). Ranks that
-    wait for others longer than ``hang_report`` seconds are reported (``autoddp.hang``; 0: off).
+    wait for others longer than ``hang_report`` seconds are reported (``autoddp.in_rank.hang``; 0: off).
     """
     if job.backend.use_cuda:
         preflight.before_workers(nproc)  # GPUs the caller's own CUDA context would deny them
@@ -70,7 +70,7 @@ def launch_function(
 
         def workers(folder: str) -> tuple[Any, dict[int, tuple]]:
             transport.save_job(folder, payload)
-            return sys.executable, {r: ("-m", "autoddp.worker", folder) for r in range(nproc)}
+            return sys.executable, {r: ("-m", "autoddp.in_rank.worker", folder) for r in range(nproc)}
 
     else:
         preload_for_forked_workers(job.args, job.kwargs, job.options.capture)
@@ -97,7 +97,7 @@ def launch_script(
     role: str = DEFAULT_ROLE,
     store: tuple[str, int | None] = (LOOPBACK, None),
 ) -> None:
-    """Run a script (as ``python -m autoddp.worker.script ARGV`` would) in ``nproc`` workers.
+    """Run a script (as ``python -m autoddp.in_rank.worker.script ARGV`` would) in ``nproc`` workers.
 
     The ``autoddp`` command's single-node engine: the same supervision, loopback store,
     restarts and hang report as the decorator. Workers are forked from this process, which has imported torch
@@ -108,8 +108,8 @@ def launch_script(
     """
     method, _ = choose_start_method(start_method, None)
     if method == "fork":
-        # (not at the top: `python -m autoddp.worker.script` must find it new)
-        from autoddp.worker.script import run_script_forked
+        # (not at the top: `python -m autoddp.in_rank.worker.script` must find it new)
+        from autoddp.in_rank.worker.script import run_script_forked
 
         preload_for_forked_workers((), {}, capture=True)
 
@@ -119,7 +119,7 @@ def launch_script(
     else:
 
         def workers(folder: str) -> tuple[Any, dict[int, tuple]]:
-            return sys.executable, {r: ("-m", "autoddp.worker.script", *argv) for r in range(nproc)}
+            return sys.executable, {r: ("-m", "autoddp.in_rank.worker.script", *argv) for r in range(nproc)}
 
     contract = Contract(nproc, role, max_restarts, store[0])
     with acting_on_signals(for_good=True):  # (the command's process: it ends next)

@@ -27,12 +27,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from autoddp._warn import one_line, say
-from autoddp.errors import NodesError, WorkerError
+from autoddp.core._warn import one_line, say
+from autoddp.core.errors import NodesError, WorkerError
+from autoddp.in_rank.run_folder import transport
 from autoddp.launch import failures
 from autoddp.launch.heartbeat import Beat
 from autoddp.launch.plan import DEFAULT_JOIN_TIMEOUT
-from autoddp.world import transport
 
 BACKEND = "autoddp-static"
 FIRST_SAY = 5.0  # node 0 names the awaited nodes this soon

@@ -15,16 +15,18 @@ import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from autoddp import _variables
-from autoddp._leftovers import private_folder
-from autoddp._warn import one_line, say
-from autoddp.environment import hardware, network
-from autoddp.errors import NodesError, WorkerError
-from autoddp.hang import record as hang_record
-from autoddp.hang.combine import Exchange
-from autoddp.hang.watch import Watch
+from autoddp.core import _variables
+from autoddp.core._leftovers import private_folder
+from autoddp.core._warn import one_line, say
+from autoddp.core.environment import hardware, network
+from autoddp.core.errors import NodesError, WorkerError
+from autoddp.in_rank.hang import record as hang_record
+from autoddp.in_rank.run_folder import transport
+from autoddp.in_rank.worker.running import Job
 from autoddp.launch import diagnostics, failures, meeting
 from autoddp.launch.contract import DEFAULT_ROLE
+from autoddp.launch.hang.combine import Exchange
+from autoddp.launch.hang.watch import Watch
 from autoddp.launch.output import Output, announce_exit, show_hidden_output
 from autoddp.launch.plan import Nodes, split_endpoint
 from autoddp.launch.side_gloo import side_gloo_variables
@@ -34,8 +36,6 @@ from autoddp.launch.supervise import (
     caller_signal_handlers_kept,
     elastic_logs_quiet,
 )
-from autoddp.worker.running import Job
-from autoddp.world import transport
 
 
 def run_agent(
@@ -53,7 +53,7 @@ def run_agent(
     """Run ``python ARGS`` in ``nproc`` workers on this node as part of a multi-node world.
 
     The workers reach the other machines through the interface that routes to node 0 (unless
-    the user named one, see ``autoddp.environment.network``); one start-up line says which. Their output is
+    the user named one, see ``core.environment.network``); one start-up line says which. Their output is
     routed as on one machine (``output``: ``ranks`` are this node's local ranks, ``[rank N]``
     names the global rank, ``log_dir`` keeps every rank's files, by global rank). Errors are
     reported into the run folder ``folder``. This node's ranks are watched for the hang report
@@ -285,7 +285,7 @@ def launch_nodes(
                 run_agent(
                     plan,
                     nproc,
-                    ["-m", "autoddp.worker", folder],
+                    ["-m", "autoddp.in_rank.worker", folder],
                     folder=folder,
                     output=output,
                     max_restarts=max_restarts,

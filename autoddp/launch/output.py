@@ -11,8 +11,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from autoddp._warn import say
-from autoddp.errors import ConfigurationError
+from autoddp.core._warn import say
+from autoddp.core.errors import ConfigurationError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +86,7 @@ class Output:
     def agent_logs(self, folder: str, nproc: int) -> tuple[Any, str | None]:
         """The same settings for elastic's agent (several machines): the specs and the line
         prefix template, ``[rank N]`` with N the global rank (the agent takes no per-rank prefixes)."""
-        from autoddp import _compat
+        from autoddp.core import _compat
 
         specs = self._specs(folder, nproc)
         if not real_stdio():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from autoddp.environment import LOOPBACK
-from autoddp.errors import ConfigurationError
+from autoddp.core.environment import LOOPBACK
+from autoddp.core.errors import ConfigurationError
 
 RDZV_BACKENDS = ("static", "c10d")
 DEFAULT_JOIN_TIMEOUT = 300.0  # seconds (elastic: 600 for the rendezvous, and 900 for its agent)

@@ -8,11 +8,11 @@ import warnings
 
 import torch
 
-from autoddp import _compat
-from autoddp._compat import forks
-from autoddp.environment import hardware
-from autoddp.errors import ConfigurationError
-from autoddp.world.process_group import Backend
+from autoddp.core import _compat
+from autoddp.core._compat import forks
+from autoddp.core.environment import hardware
+from autoddp.core.errors import ConfigurationError
+from autoddp.in_rank.world.process_group import Backend
 
 START_METHODS = ("auto", "fork", "spawn")
 

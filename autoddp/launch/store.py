@@ -7,9 +7,9 @@ import errno
 import os
 from collections.abc import Iterator
 
-from autoddp import _compat
-from autoddp.environment import LOOPBACK
-from autoddp.errors import ConfigurationError
+from autoddp.core import _compat
+from autoddp.core.environment import LOOPBACK
+from autoddp.core.errors import ConfigurationError
 
 
 @contextlib.contextmanager

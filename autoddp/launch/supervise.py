@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from autoddp._warn import say
-from autoddp.errors import WorkerError
+from autoddp.core._warn import say
+from autoddp.core.errors import WorkerError
 from autoddp.launch import output
 from autoddp.launch.exits import Exits
 from autoddp.launch.failures import exit_codes

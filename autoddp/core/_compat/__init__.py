@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from autoddp._compat import losses, releases  # noqa: F401 (losses: read as _compat.losses)
-from autoddp._compat.releases import torch_at_least
-from autoddp.errors import TorchCompatibilityError
+from autoddp.core._compat import losses, releases  # noqa: F401 (losses: read as _compat.losses)
+from autoddp.core._compat.releases import torch_at_least
+from autoddp.core.errors import TorchCompatibilityError
 
 #: The private function DDP's forward uses to broadcast buffers from rank 0 (a collective).
 DDP_BUFFER_BROADCAST = "_broadcast_coalesced"

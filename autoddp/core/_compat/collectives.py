@@ -17,7 +17,7 @@ import sys
 from types import FunctionType, ModuleType
 from typing import Any
 
-from autoddp._compat import COLLECTIVES
+from autoddp.core._compat import COLLECTIVES
 
 #: The functional collectives (``torch.distributed._functional_collectives``) by name: each issues
 #: a collective (``wait_tensor`` waits for one, and is not among them).

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from autoddp._compat import _need
+from autoddp.core._compat import _need
 
 
 def cuda_in_bad_fork() -> bool:

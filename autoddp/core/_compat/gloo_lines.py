@@ -8,7 +8,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
 from typing import Any
 
-from autoddp._compat import _need, releases
+from autoddp.core._compat import _need, releases
 
 #: torch releases whose gloo writes "[Gloo] Rank N is connected to M peer ranks..." to file
 #: descriptor 1 (C++ ``std::cout``, unconditionally) whenever a gloo group connects: 2.8 up to 2.11,

@@ -46,22 +46,22 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from autoddp.environment._base import LOOPBACK as LOOPBACK
-from autoddp.environment._base import PORT_BASE as PORT_BASE
-from autoddp.environment._base import PORT_SPAN as PORT_SPAN
-from autoddp.environment._base import Environment as Environment
-from autoddp.environment._base import Plain as Plain
-from autoddp.environment._base import shared_port as shared_port
-from autoddp.environment._hostlist import first_host as first_host
-from autoddp.environment.mpi import MPICH as MPICH
-from autoddp.environment.mpi import OpenMPI as OpenMPI
-from autoddp.environment.operators import RankEnv as RankEnv
-from autoddp.environment.slurm import SlurmAllocation as SlurmAllocation
-from autoddp.environment.slurm import SlurmStep as SlurmStep
-from autoddp.environment.slurm import slurm_port as slurm_port
-from autoddp.environment.torchrun import AutoDDPWorker as AutoDDPWorker
-from autoddp.environment.torchrun import TorchElastic as TorchElastic
-from autoddp.errors import ConfigurationError
+from autoddp.core.environment._base import LOOPBACK as LOOPBACK
+from autoddp.core.environment._base import PORT_BASE as PORT_BASE
+from autoddp.core.environment._base import PORT_SPAN as PORT_SPAN
+from autoddp.core.environment._base import Environment as Environment
+from autoddp.core.environment._base import Plain as Plain
+from autoddp.core.environment._base import shared_port as shared_port
+from autoddp.core.environment._hostlist import first_host as first_host
+from autoddp.core.environment.mpi import MPICH as MPICH
+from autoddp.core.environment.mpi import OpenMPI as OpenMPI
+from autoddp.core.environment.operators import RankEnv as RankEnv
+from autoddp.core.environment.slurm import SlurmAllocation as SlurmAllocation
+from autoddp.core.environment.slurm import SlurmStep as SlurmStep
+from autoddp.core.environment.slurm import slurm_port as slurm_port
+from autoddp.core.environment.torchrun import AutoDDPWorker as AutoDDPWorker
+from autoddp.core.environment.torchrun import TorchElastic as TorchElastic
+from autoddp.core.errors import ConfigurationError
 
 #: Detection order: the launcher closest to the process first; ``Plain`` always matches.
 ENVIRONMENTS: tuple[type[Environment], ...] = (

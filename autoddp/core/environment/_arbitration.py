@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping
 
-from autoddp.environment._base import as_number
+from autoddp.core.environment._base import as_number
 
 #: SLURM step ids from here up name special steps (batch script, interactive, extern), not srun.
 _SLURM_SPECIAL_STEP = 0xFFFFFFF0

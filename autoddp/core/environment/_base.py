@@ -13,9 +13,9 @@ import zlib
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
-from autoddp.environment import hardware
-from autoddp.errors import ConfigurationError
-from autoddp.state import World
+from autoddp.core.environment import hardware
+from autoddp.core.errors import ConfigurationError
+from autoddp.core.state import World
 
 LOOPBACK = "127.0.0.1"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from autoddp.errors import ConfigurationError
+from autoddp.core.errors import ConfigurationError
 
 
 def first_host(text: str) -> str:

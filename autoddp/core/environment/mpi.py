@@ -12,9 +12,9 @@ import os
 from collections.abc import Mapping
 from typing import ClassVar
 
-from autoddp.environment import hardware
-from autoddp.environment._arbitration import other_world_size, stale_rank_note
-from autoddp.environment._base import (
+from autoddp.core.environment import hardware
+from autoddp.core.environment._arbitration import other_world_size, stale_rank_note
+from autoddp.core.environment._base import (
     LOOPBACK,
     PORT_BASE,
     PORT_SPAN,
@@ -25,8 +25,8 @@ from autoddp.environment._base import (
     shared_port,
     show,
 )
-from autoddp.errors import ConfigurationError
-from autoddp.state import World
+from autoddp.core.errors import ConfigurationError
+from autoddp.core.state import World
 
 #: Variables every rank of one MPI job shares, in the order they are tried for a derived port.
 #: ``PMI_PORT`` (Hydra's per-node PMI server) is shared only by the ranks of one node.

@@ -30,7 +30,7 @@ import struct
 import sys
 from collections.abc import Mapping
 
-from autoddp.errors import ConfigurationError
+from autoddp.core.errors import ConfigurationError
 
 #: The variables that name the interface gloo and NCCL use; set by the user, autoddp leaves both alone.
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from autoddp.environment._arbitration import launcher_worlds, other_world_size
-from autoddp.environment._base import as_number, show
-from autoddp.environment.torchrun import RankVariables
-from autoddp.errors import ConfigurationError
+from autoddp.core.environment._arbitration import launcher_worlds, other_world_size
+from autoddp.core.environment._base import as_number, show
+from autoddp.core.environment.torchrun import RankVariables
+from autoddp.core.errors import ConfigurationError
 
 
 class RankEnv(RankVariables):

@@ -17,10 +17,10 @@ import os
 import sys
 from collections.abc import Mapping
 
-from autoddp.environment import Environment, hardware
-from autoddp.environment._base import parse_int
-from autoddp.errors import ConfigurationError
-from autoddp.state import World
+from autoddp.core.environment import Environment, hardware
+from autoddp.core.environment._base import parse_int
+from autoddp.core.errors import ConfigurationError
+from autoddp.core.state import World
 
 #: NCCL's advice for containers (its troubleshooting guide: ``--shm-size=1g --ulimit memlock=-1``).
 SHM_ADVISED = 1 << 30
@@ -204,7 +204,7 @@ def check(world: World, environ: Mapping[str, str] | None = None, announce: bool
     Raises ConfigurationError where NCCL would refuse; local rank 0 prints (``announce``) what
     would slow or break the run later (idle GPUs, a small /dev/shm).
     """
-    from autoddp import environment  # (the CUDA path only)
+    from autoddp.core import environment  # (the CUDA path only)
 
     environ = os.environ if environ is None else environ
     facts = placement(world, environment.detect(environ), environ, hardware.gpu_count())

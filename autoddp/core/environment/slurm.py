@@ -13,8 +13,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from autoddp.environment import hardware
-from autoddp.environment._arbitration import (
+from autoddp.core.environment import hardware
+from autoddp.core.environment._arbitration import (
     describes_other_world,
     launcher_worlds,
     other_world_size,
@@ -23,7 +23,7 @@ from autoddp.environment._arbitration import (
     slurm_tasks_variable,
     stale_rank_note,
 )
-from autoddp.environment._base import (
+from autoddp.core.environment._base import (
     PORT_BASE,
     PORT_SPAN,
     Environment,
@@ -34,9 +34,9 @@ from autoddp.environment._base import (
     read_port,
     show,
 )
-from autoddp.environment._hostlist import first_host
-from autoddp.errors import ConfigurationError
-from autoddp.state import World
+from autoddp.core.environment._hostlist import first_host
+from autoddp.core.errors import ConfigurationError
+from autoddp.core.state import World
 
 #: Steps of one job are this far apart in the port range (a prime: every step a different port).
 STEP_STRIDE = 1009

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from autoddp import _variables
-from autoddp.environment import hardware
-from autoddp.environment._arbitration import launcher_worlds
-from autoddp.environment._base import Environment, read_int, read_port, show
-from autoddp.errors import ConfigurationError
-from autoddp.state import World
+from autoddp.core import _variables
+from autoddp.core.environment import hardware
+from autoddp.core.environment._arbitration import launcher_worlds
+from autoddp.core.environment._base import Environment, read_int, read_port, show
+from autoddp.core.errors import ConfigurationError
+from autoddp.core.state import World
 
 
 class RankVariables(Environment):

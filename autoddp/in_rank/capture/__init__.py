@@ -9,6 +9,6 @@ GPU) and ``shared_files`` (files several ranks wrote). ``capturing`` runs a bloc
 
 from __future__ import annotations
 
-from autoddp.capture.session import Session, capturing
+from autoddp.in_rank.capture.session import Session, capturing
 
 __all__ = ["Session", "capturing"]

@@ -7,7 +7,7 @@ import os
 import sys
 import weakref
 
-from autoddp.capture._registry import Site
+from autoddp.in_rank.capture._registry import Site
 
 HOW_TO_TURN_OFF = "turn it off with @distributed(capture=False) or autoddp --no-capture"
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from autoddp import _containers, _frames
+from autoddp.core import _containers, _frames
 
 Site = tuple[str, int]
 

@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
-from autoddp import _compat, _warn, models
-from autoddp.capture._notice import Notice, where
-from autoddp.capture._registry import Site, frame_candidates, user_site
+from autoddp.core import _compat, _warn
+from autoddp.in_rank import models
+from autoddp.in_rank.capture._notice import Notice, where
+from autoddp.in_rank.capture._registry import Site, frame_candidates, user_site
 
 Roots = Iterable[tuple[torch.nn.Module, Site | None]]
 

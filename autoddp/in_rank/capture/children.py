@@ -28,10 +28,11 @@ from typing import Any
 
 import torch
 
-from autoddp import _frames, _patches, models
-from autoddp._compat import forks
-from autoddp.capture._notice import where
-from autoddp.capture._registry import Site, user_site
+from autoddp.core import _frames, _patches
+from autoddp.core._compat import forks
+from autoddp.in_rank import models
+from autoddp.in_rank.capture._notice import where
+from autoddp.in_rank.capture._registry import Site, user_site
 
 #: How deep into a process's arguments models are looked for (``args=(rank, args, model)``: 1).
 _DEPTH = 2

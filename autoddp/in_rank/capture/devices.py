@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from autoddp import _compat, _patches
-from autoddp.capture._notice import Notice, where
-from autoddp.capture._registry import user_site
-from autoddp.errors import ConfigurationError
-from autoddp.state import World
-from autoddp.world import placement
+from autoddp.core import _compat, _patches
+from autoddp.core.errors import ConfigurationError
+from autoddp.core.state import World
+from autoddp.in_rank.capture._notice import Notice, where
+from autoddp.in_rank.capture._registry import user_site
+from autoddp.in_rank.world import placement
 
 
 class Devices:

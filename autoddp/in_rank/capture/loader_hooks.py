@@ -1,5 +1,5 @@
 """Capture's DataLoader hooks: a random loader gets its share per rank when iterated, an ordered one
-stays whole (``Loaders``; ``autoddp.data.loaders`` is the sharding they, and ``prepare``, use).
+stays whole (``Loaders``; ``autoddp.in_rank.data.loaders`` is the sharding they, and ``prepare``, use).
 
 A DataLoader whose order is random (``shuffle=True``, any sampler but the sequential one, a custom
 batch sampler) is sharded on its first iteration exactly as ``autoddp.prepare`` shards it. A
@@ -20,18 +20,18 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
 
-from autoddp import _compat, _patches
-from autoddp.capture._notice import where
-from autoddp.capture._registry import user_site
-from autoddp.data import split
-from autoddp.data.loaders import (
+from autoddp.core import _compat, _patches
+from autoddp.core.state import CURRENT, World
+from autoddp.in_rank.capture._notice import where
+from autoddp.in_rank.capture._registry import user_site
+from autoddp.in_rank.data import split
+from autoddp.in_rank.data.loaders import (
     distributed_sampler,
     shard_loader,
     sharded_by_rank,
     user_seed,
     wrapped_batches,
 )
-from autoddp.state import CURRENT, World
 
 #: Where the user's code made a DataLoader (kept in its ``__dict__``, for the notice).
 _SITE = "_autoddp_site"

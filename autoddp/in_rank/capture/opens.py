@@ -24,7 +24,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from autoddp.checkpoint.files import special
+from autoddp.in_rank.checkpoint.files import special
 
 #: ``open``'s parameters after ``mode``, with their defaults: only a plain ``open(path, "wb")`` is taken.
 _DEFAULTS = (

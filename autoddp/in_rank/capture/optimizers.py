@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
-from autoddp import _patches, _warn, models
-from autoddp.capture._notice import where
-from autoddp.capture._registry import DEPTH, Registry, frame_candidates, user_site
-from autoddp.state import CURRENT
+from autoddp.core import _patches, _warn
+from autoddp.core.state import CURRENT
+from autoddp.in_rank import models
+from autoddp.in_rank.capture._notice import where
+from autoddp.in_rank.capture._registry import DEPTH, Registry, frame_candidates, user_site
 
 #: Containers that cannot be called: a model held in one is the model, not the container.
 _UNCALLABLE = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.ParameterList, torch.nn.ParameterDict)

@@ -22,11 +22,11 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from autoddp import _compat, _variables
-from autoddp.capture._notice import where
-from autoddp.capture._registry import user_site
-from autoddp.models._class_swap import cached_subclass
-from autoddp.world import transport
+from autoddp.core import _compat, _variables
+from autoddp.core._class_swap import cached_subclass
+from autoddp.in_rank.capture._notice import where
+from autoddp.in_rank.capture._registry import user_site
+from autoddp.in_rank.run_folder import transport
 
 _ENTRY = "_autoddp_passes"
 

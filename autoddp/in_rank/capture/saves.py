@@ -47,14 +47,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autoddp import _compat, _patches, models
-from autoddp.capture.opens import PrivateFile, copy_in_place, copy_to, opening
-from autoddp.checkpoint.files import atomic_write, special
-from autoddp.errors import Rank0Error
-from autoddp.hang import record
-from autoddp.hang.marks import MARKS
-from autoddp.rank_zero.block import WAITING_PREFIX, waiting_for, waits_ahead
-from autoddp.state import CURRENT
+from autoddp.core import _compat, _patches
+from autoddp.core.errors import Rank0Error
+from autoddp.core.state import CURRENT
+from autoddp.in_rank import models
+from autoddp.in_rank.capture.opens import PrivateFile, copy_in_place, copy_to, opening
+from autoddp.in_rank.checkpoint.files import atomic_write, special
+from autoddp.in_rank.hang import record
+from autoddp.in_rank.hang.marks import MARKS
+from autoddp.in_rank.rank_zero.block import WAITING_PREFIX, waiting_for, waits_ahead
 
 _PREFIX = "autoddp/torch.save/"
 _FINISHED = f"{_PREFIX}finished"

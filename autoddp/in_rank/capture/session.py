@@ -34,20 +34,20 @@ from typing import Any
 
 import torch.distributed as dist
 
-from autoddp import _patches
-from autoddp.capture import devices
-from autoddp.capture._notice import Notice
-from autoddp.capture._registry import Registry
-from autoddp.capture._undistributed import Undistributed
-from autoddp.capture.children import Children
-from autoddp.capture.loader_hooks import Loaders
-from autoddp.capture.optimizers import Optimizers
-from autoddp.capture.passes import Passes
-from autoddp.capture.saves import Saves
-from autoddp.capture.shared_files import SharedFiles, install_hook
-from autoddp.capture.steps import Steps
-from autoddp.errors import ConfigurationError
-from autoddp.state import CURRENT, RunOptions, World
+from autoddp.core import _patches
+from autoddp.core.errors import ConfigurationError
+from autoddp.core.state import CURRENT, RunOptions, World
+from autoddp.in_rank.capture import devices
+from autoddp.in_rank.capture._notice import Notice
+from autoddp.in_rank.capture._registry import Registry
+from autoddp.in_rank.capture._undistributed import Undistributed
+from autoddp.in_rank.capture.children import Children
+from autoddp.in_rank.capture.loader_hooks import Loaders
+from autoddp.in_rank.capture.optimizers import Optimizers
+from autoddp.in_rank.capture.passes import Passes
+from autoddp.in_rank.capture.saves import Saves
+from autoddp.in_rank.capture.shared_files import SharedFiles, install_hook
+from autoddp.in_rank.capture.steps import Steps
 
 
 class Session:

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from autoddp import _compat, _frames
-from autoddp.capture.saves import gone_past
-from autoddp.rank_zero.block import waits_ahead
-from autoddp.state import CURRENT
+from autoddp.core import _compat, _frames
+from autoddp.core.state import CURRENT
+from autoddp.in_rank.capture.saves import gone_past
+from autoddp.in_rank.rank_zero.block import waits_ahead
 
 _PREFIX = "autoddp/shared_files/"
 _POLL_SECONDS = 0.01

@@ -16,10 +16,11 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from autoddp import _patches, models
-from autoddp.capture._registry import user_site
-from autoddp.capture._undistributed import caller_site, candidate_roots, grad_versions
-from autoddp.state import CURRENT
+from autoddp.core import _patches
+from autoddp.core.state import CURRENT
+from autoddp.in_rank import models
+from autoddp.in_rank.capture._registry import user_site
+from autoddp.in_rank.capture._undistributed import caller_site, candidate_roots, grad_versions
 
 
 class Steps:

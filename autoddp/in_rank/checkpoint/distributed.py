@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from autoddp import models
-from autoddp._leftovers import private_folder
-from autoddp.world import barrier, current
+from autoddp.core._leftovers import private_folder
+from autoddp.in_rank import models
+from autoddp.in_rank.world import barrier, current
 
 _PARTIAL = ".autoddp-partial-"
 

@@ -28,9 +28,10 @@ from typing import Any, BinaryIO
 
 import torch
 
-from autoddp import _containers, models
-from autoddp.rank_zero.block import run_on_rank0
-from autoddp.world import device
+from autoddp.core import _containers
+from autoddp.in_rank import models
+from autoddp.in_rank.rank_zero.block import run_on_rank0
+from autoddp.in_rank.world import device
 
 # Temporary files are named ".<checkpoint name>.<random>.autoddp-tmp" next to the checkpoint.
 TEMPORARY_SUFFIX = ".autoddp-tmp"
@@ -51,11 +52,11 @@ def save(obj: Any, path: str | os.PathLike[str], *, sharded: bool = False) -> No
     save of another path that every rank makes.
 
     ``sharded=True``, or a ``path`` that ends with a separator or is a folder: every rank writes its
-    own shards, as a distributed checkpoint (``autoddp.checkpoint.distributed``); every rank must call it.
+    own shards, as a distributed checkpoint (``checkpoint.distributed``); every rank must call it.
     """
     path = os.fspath(path)
     if sharded or path.endswith(os.sep) or os.path.isdir(path):
-        from autoddp.checkpoint import distributed
+        from autoddp.in_rank.checkpoint import distributed
 
         distributed.save(obj, path)
         return
@@ -71,14 +72,14 @@ def load(path: str | os.PathLike[str], default: Any = _MISSING, *, weights_only:
     fresh), else raise ``FileNotFoundError``. ``weights_only`` is passed to ``torch.load``: set it
     to False only for checkpoints you trust that hold objects other than tensors and containers.
     A folder written by ``save(..., sharded=True)`` loads on any world size
-    (``autoddp.checkpoint.distributed``).
+    (``autoddp.in_rank.checkpoint.distributed``).
     With ``strategy="fsdp"`` and several processes, a file's tensors come back memory-mapped on
     the CPU (``torch.load(mmap=True)``): loading them into the sharded model reads them on rank
     0 only, so no rank holds the whole model (move other tensors with ``.to(device)``).
     """
     path = os.fspath(path)
     if os.path.isdir(path):
-        from autoddp.checkpoint import distributed
+        from autoddp.in_rank.checkpoint import distributed
 
         if distributed.is_checkpoint(path):
             return distributed.load(path)
@@ -99,7 +100,7 @@ def load(path: str | os.PathLike[str], default: Any = _MISSING, *, weights_only:
 
 def _sharding_run() -> bool:
     """True in a world of several processes that shards its models (strategy='fsdp')."""
-    from autoddp.state import CURRENT
+    from autoddp.core.state import CURRENT
 
     world = CURRENT.world
     return world is not None and world.world_size > 1 and CURRENT.options.strategy == "fsdp"
@@ -116,7 +117,7 @@ def _load_mapped(path: str, weights_only: bool) -> Any:
     except RuntimeError as error:
         if "mmap" not in str(error):
             raise
-    from autoddp import _warn
+    from autoddp.core import _warn
 
     _warn.warn(
         f"autoddp.load({path!r}): this file is in torch's legacy format, which cannot be memory-mapped, "

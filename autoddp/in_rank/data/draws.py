@@ -29,8 +29,8 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from autoddp import _warn
-from autoddp.world import streams
+from autoddp.core import _warn
+from autoddp.in_rank.world import streams
 
 #: torch's samplers whose ``__iter__`` only draws and yields (it changes nothing of the sampler),
 #: so iterating one a second time on the user's streams makes exactly one process's draws.

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from autoddp.data.loaders import distributed_sampler
-from autoddp.errors import ConfigurationError
-from autoddp.world.process_group import comm_device
+from autoddp.core.errors import ConfigurationError
+from autoddp.in_rank.data.loaders import distributed_sampler
+from autoddp.in_rank.world.process_group import comm_device
 
 
 def gather(tensor: torch.Tensor, loader: DataLoader | None = None) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Data sharding: give each process a disjoint share of every DataLoader.
 
 ``shard_loader`` swaps a loader's sampler (or batch sampler) for a distributed one
-(``autoddp.data.samplers``), in place when it can, so the loader keeps its class, identity and every
+(``autoddp.in_rank.data.samplers``), in place when it can, so the loader keeps its class, identity and every
 constructor setting. The samplers move to the next epoch by themselves on every pass, draw their
 seed from the user's own seed, and pad so that every rank sees the same number of samples and
 batches. ``autoddp.gather`` collects per-sample results back in the single-process order.
@@ -23,13 +23,13 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-from autoddp import _compat, _warn
-from autoddp.data import draws
-from autoddp.data.samplers import AutoEpochSampler, ShardedSampler
-from autoddp.errors import ConfigurationError
-from autoddp.state import CURRENT, World
-from autoddp.world import streams
-from autoddp.world.process_group import comm_device
+from autoddp.core import _compat, _warn
+from autoddp.core.errors import ConfigurationError
+from autoddp.core.state import CURRENT, World
+from autoddp.in_rank.data import draws
+from autoddp.in_rank.data.samplers import AutoEpochSampler, ShardedSampler
+from autoddp.in_rank.world import streams
+from autoddp.in_rank.world.process_group import comm_device
 
 # Seeds travel as int64 tensors; torch seeds are unsigned 64-bit, so fold them into this range.
 _SEED_RANGE = 2**62
@@ -47,7 +47,7 @@ def shard_loader(
     gets the same number of batches (the last samples are padded with repeats from the start).
     ``seed``: the shuffle seed all ranks agreed on already (else rank 0's is broadcast).
     ``split`` (default: the run's ``split_batches``): a loader whose order is random keeps one
-    process's batches instead, each rank taking its part of every one (``autoddp.data.split``);
+    process's batches instead, each rank taking its part of every one (``autoddp.in_rank.data.split``);
     a loader in order is sharded as always (evaluation, ``autoddp.gather``).
     """
     if world.world_size <= 1:
@@ -67,7 +67,7 @@ def shard_loader(
         return loader
 
     if (CURRENT.options.split_batches if split is None else split) and not in_order(loader):
-        from autoddp.data.split import split_loader
+        from autoddp.in_rank.data.split import split_loader
 
         return split_loader(loader, world)
 
@@ -308,7 +308,7 @@ def _user_seed(loader: DataLoader, sampler: Any, number: int = 0) -> int:
     repeats it, and one reused by the loaders of later epochs moves on (by one process's draws:
     the generator is read from a copy, never drawn from here). Without one, the ``number``-th
     loader of the run (a loader made anew every epoch) gets its own seed derived from torch's. In
-    a worker autoddp seeded (``autoddp.world.streams``), torch's seed is the caller's unless the
+    a worker autoddp seeded (``autoddp.in_rank.world.streams``), torch's seed is the caller's unless the
     function set its own.
     """
     for generator in (getattr(sampler, "generator", None), loader.generator):

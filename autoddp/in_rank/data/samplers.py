@@ -15,9 +15,9 @@ from typing import Any
 
 from torch.utils.data.distributed import DistributedSampler
 
-from autoddp.data.draws import OneProcessDraws
-from autoddp.state import World
-from autoddp.world import streams
+from autoddp.core.state import World
+from autoddp.in_rank.data.draws import OneProcessDraws
+from autoddp.in_rank.world import streams
 
 
 class AutoEpochSampler(DistributedSampler):

@@ -13,7 +13,7 @@ takes part in every step, so nothing waits, and that sample counts for nothing.
 
 The loader's class is swapped for a cached subclass (same name) whose iterator records, as each
 batch reaches the user's code, this rank's weight ``W * part / batch`` in ``CURRENT.split_weight``:
-the models weigh their gradients by it (``autoddp.models._split``), so that DDP's average is the
+the models weigh their gradients by it (``autoddp.in_rank.models._split``), so that DDP's average is the
 global batch's mean when the parts differ in size.
 """
 
@@ -27,13 +27,12 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader
 
-from autoddp import _compat
-from autoddp.data import draws
-from autoddp.errors import ConfigurationError
-from autoddp.models import _class_swap
-from autoddp.state import CURRENT, World
-from autoddp.world import streams
-from autoddp.world.process_group import comm_device
+from autoddp.core import _class_swap, _compat
+from autoddp.core.errors import ConfigurationError
+from autoddp.core.state import CURRENT, World
+from autoddp.in_rank.data import draws
+from autoddp.in_rank.world import streams
+from autoddp.in_rank.world.process_group import comm_device
 
 #: Batches drawn at once at the start of a pass (on rank 0 from the user's states, as one process).
 CHUNK = 4096

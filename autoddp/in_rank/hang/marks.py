@@ -36,10 +36,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autoddp import _compat, _patches, _variables
-from autoddp._compat import collectives
-from autoddp.hang import pending, record
-from autoddp.state import World
+from autoddp.core import _compat, _patches, _variables
+from autoddp.core._compat import collectives
+from autoddp.core.state import World
+from autoddp.in_rank.hang import pending, record
 
 _BACKWARD = record.NAMES.index("backward")
 #: Marked beside the collectives: they wait for every rank too.

@@ -20,13 +20,15 @@ import signal
 import struct
 import threading
 
-from autoddp._compat import COLLECTIVES, DDP_BUFFER_BROADCAST
-from autoddp._compat.collectives import FUNCTIONAL_COLLECTIVES
-from autoddp._leftovers import private_folder
-from autoddp.errors import ConfigurationError
+from autoddp.core._compat import COLLECTIVES, DDP_BUFFER_BROADCAST
+from autoddp.core._compat.collectives import FUNCTIONAL_COLLECTIVES
+from autoddp.core._leftovers import private_folder
+from autoddp.core.errors import ConfigurationError
 
 #: ``hang_report`` when not given: seconds a rank may wait for the others before the report.
 DEFAULT_SECONDS = 60.0
+#: The poller thread's function (``pending``): the caller leaves that thread out of stack dumps.
+POLLER = "poll_pending_collectives"
 
 
 def checked_seconds(seconds: object) -> float:

@@ -12,14 +12,14 @@ from typing import Any
 
 import torch
 
-from autoddp import _compat, _patches
-from autoddp.environment import hardware
-from autoddp.errors import ConfigurationError
-from autoddp.models import _fsdp_state, _rebind, _routing, _split
-from autoddp.models.ddp import DDP, check_keywords
-from autoddp.models.fsdp import FSDP, fsdp_api, precision
-from autoddp.models.strategy import PLAIN, Strategy
-from autoddp.state import RunOptions, World
+from autoddp.core import _compat, _patches
+from autoddp.core.environment import hardware
+from autoddp.core.errors import ConfigurationError
+from autoddp.core.state import RunOptions, World
+from autoddp.in_rank.models import _fsdp_state, _rebind, _routing, _split
+from autoddp.in_rank.models.ddp import DDP, check_keywords
+from autoddp.in_rank.models.fsdp import FSDP, fsdp_api, precision
+from autoddp.in_rank.models.strategy import PLAIN, Strategy
 
 #: The strategies a run can choose, by name.
 STRATEGIES: dict[str, Strategy] = {DDP.name: DDP, FSDP.name: FSDP}
@@ -129,7 +129,7 @@ def portable(model: torch.nn.Module, keep: bool = True) -> torch.nn.Module:
 
 def ddp_in_charge(model: torch.nn.Module) -> bool:
     """True when autoddp's own DDP synchronises ``model`` now."""
-    from autoddp.models.ddp import ddp_of
+    from autoddp.in_rank.models.ddp import ddp_of
 
     return ddp_of(unwrap(model)) is not None
 
@@ -137,7 +137,7 @@ def ddp_in_charge(model: torch.nn.Module) -> bool:
 def ddp_being_built(model: torch.nn.Module) -> bool:
     """True while autoddp itself makes the DDP behind ``model`` (a rebuild happens inside the
     user's forward, after the model changed: capture must not take it for a DDP of the user's)."""
-    from autoddp.models.ddp import building
+    from autoddp.in_rank.models.ddp import building
 
     return building(unwrap(model))
 
@@ -174,8 +174,8 @@ def sharded_model_of(optimizer: torch.optim.Optimizer) -> torch.nn.Module | None
 
 def guard_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Average gradients DDP did not see before ``optimizer``'s steps (``models._averaging``)."""
-    from autoddp.models import _averaging
-    from autoddp.state import CURRENT
+    from autoddp.core.state import CURRENT
+    from autoddp.in_rank.models import _averaging
 
     params = {id(p) for group in optimizer.param_groups for p in group["params"]}
     trained = [m for m in CURRENT.wrapped_models() if any(id(p) in params for p in m.parameters())]
@@ -185,7 +185,7 @@ def guard_optimizer(optimizer: torch.optim.Optimizer) -> None:
 def counted(original: Any, accumulates: bool = True) -> Any:
     """``torch.autograd.backward`` (``accumulates``) or ``grad`` saying that it runs, for the step's
     averaging guard: which backward passes DDP averaged, and a step inside one (``_reduction``)."""
-    from autoddp.models import _reduction
+    from autoddp.in_rank.models import _reduction
 
     return _reduction.counting(original, _reduction.BACKWARD if accumulates else _reduction.GRAD)
 

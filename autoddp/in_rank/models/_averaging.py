@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from autoddp import _warn
-from autoddp.models import _reduction, _routing
+from autoddp.core import _warn
+from autoddp.in_rank.models import _reduction, _routing
 
 _GUARDED = "_autoddp_guarded"
 
@@ -154,7 +154,7 @@ def _global_value(loss: Any) -> Any:
     """A loss averaged across ranks, exactly the same number on every rank (anything else as it is)."""
     import torch.distributed as dist
 
-    from autoddp.state import CURRENT
+    from autoddp.core.state import CURRENT
 
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         total = loss.detach().clone()

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from autoddp import _compat, _containers
-from autoddp.state import CURRENT
+from autoddp.core import _compat, _containers
+from autoddp.core.state import CURRENT
 
 _BOUND = "_autoddp_bound"
 _LOADING = threading.local()

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from autoddp import _containers, _patches
+from autoddp.core import _containers, _patches
 
 #: The ways a tensor's values leave torch as Python values.
 EXITS = (

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from autoddp import _containers, _frames
-from autoddp.errors import ConfigurationError
-from autoddp.models import _fsdp_state
+from autoddp.core import _containers, _frames
+from autoddp.core.errors import ConfigurationError
+from autoddp.in_rank.models import _fsdp_state
 
 _REPLACED = "_autoddp_replaced"  # (a private attribute: it never travels in a pickle)
 

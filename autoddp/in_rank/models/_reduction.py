@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from autoddp.models._routing import on_backward
-from autoddp.state import CURRENT
+from autoddp.core.state import CURRENT
+from autoddp.in_rank.models._routing import on_backward
 
 #: ``CURRENT.backward_kind`` while ``torch.autograd.backward`` (accumulating) or ``grad`` runs.
 BACKWARD = "backward"

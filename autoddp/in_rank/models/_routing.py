@@ -29,9 +29,9 @@ from typing import Any, Protocol
 
 import torch
 
-from autoddp import _compat, _containers, _warn
-from autoddp.models import _class_swap, _split
-from autoddp.state import CURRENT
+from autoddp.core import _class_swap, _compat, _containers, _warn
+from autoddp.core.state import CURRENT
+from autoddp.in_rank.models import _split
 
 #: Where the DDP and its replica live in the module's ``__dict__``.
 DDP_ATTR = "_autoddp_ddp"

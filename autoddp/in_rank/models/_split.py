@@ -1,6 +1,6 @@
 """``split_batches`` on the model's side: gradients weighed by each rank's part, global BatchNorm.
 
-Each rank computes its loss on its part of the global batch (``autoddp.data.split``) and DDP
+Each rank computes its loss on its part of the global batch (``autoddp.in_rank.data.split``) and DDP
 averages the ranks' gradients: that is the global batch's mean only when the parts are equal.
 ``weigh`` scales the gradient reaching the model's output by this rank's weight
 ``W * part / batch`` (0 for a rank whose part is empty), so the average is ``sum(part/batch *
@@ -24,9 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autoddp import _compat, _containers, _warn
-from autoddp.models import _class_swap
-from autoddp.state import CURRENT
+from autoddp.core import _class_swap, _compat, _containers, _warn
+from autoddp.core.state import CURRENT
 
 #: torch's public BatchNorm classes (BatchNorm1d/2d/3d share one forward; SyncBatchNorm has its own).
 _BATCHNORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from autoddp import _compat
-from autoddp.errors import ConfigurationError
+from autoddp.core import _compat
+from autoddp.core.errors import ConfigurationError
 
 
 def outside_meta() -> contextlib.AbstractContextManager[Any]:

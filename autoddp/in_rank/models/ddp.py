@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
-from autoddp import _compat, _warn
-from autoddp.environment import hardware
-from autoddp.errors import ConfigurationError
-from autoddp.models import _class_swap, _reduction, _routing, _split, statistics
-from autoddp.models.strategy import Strategy
-from autoddp.state import CURRENT, RunOptions, World
-from autoddp.world import placement
+from autoddp.core import _class_swap, _compat, _warn
+from autoddp.core.environment import hardware
+from autoddp.core.errors import ConfigurationError
+from autoddp.core.state import CURRENT, RunOptions, World
+from autoddp.in_rank.models import _reduction, _routing, _split, statistics
+from autoddp.in_rank.models.strategy import Strategy
+from autoddp.in_rank.world import placement
 
 #: autoddp's own DDP settings, chosen by measurement (``benchmarks/memory.py``, ``steady_state.py``)
 #: and shown to leave the weights bitwise equal (``tests/test_ddp_defaults.py``); ``ddp=`` wins.

@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from autoddp import _compat, _warn
-from autoddp.environment import hardware
-from autoddp.errors import ConfigurationError
-from autoddp.models import _class_swap, _reads, _start
-from autoddp.models.strategy import Strategy
-from autoddp.state import CURRENT, RunOptions, World
+from autoddp.core import _class_swap, _compat, _warn
+from autoddp.core.environment import hardware
+from autoddp.core.errors import ConfigurationError
+from autoddp.core.state import CURRENT, RunOptions, World
+from autoddp.in_rank.models import _reads, _start
+from autoddp.in_rank.models.strategy import Strategy
 
 _SKELETON = "_autoddp_skeleton"
 #: A child holding at least this share of the parameters gets its own unit when nothing repeats.

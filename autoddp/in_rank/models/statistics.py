@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from autoddp import _compat, _warn
+from autoddp.core import _compat, _warn
 
 #: BatchNorm layers (torch's public classes) whose statistics stay per process without sync_batchnorm.
 BATCHNORMS = (

@@ -1,7 +1,7 @@
 """The model-strategy seam: everything autoddp does to a model, behind one small interface.
 
 A strategy wraps a module for the current world and can undo or export what it did. DDP is the
-first implementation (``autoddp.models.ddp``); a sharded strategy fits the same methods, where
+first implementation (``autoddp.in_rank.models.ddp``); a sharded strategy fits the same methods, where
 ``state_dict`` and ``portable`` may be collectives (every rank calls them, ``save`` and the
 result transport do). The base class is also the behaviour of a plain, unwrapped module.
 """
@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from autoddp.state import RunOptions, World
+from autoddp.core.state import RunOptions, World
 
 
 class Strategy:

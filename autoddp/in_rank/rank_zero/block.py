@@ -1,7 +1,7 @@
 """``rank0()``: run a block on global rank 0 only; every rank waits for it and learns its outcome.
 
 Use it as ``with autoddp.rank0(): ...`` or as a decorator, ``@autoddp.rank0``. Other ranks skip
-the body (see ``autoddp.rank_zero.skip`` for how) and wait until rank 0 has finished it; if the body
+the body (see ``autoddp.in_rank.rank_zero.skip`` for how) and wait until rank 0 has finished it; if the body
 raised, rank 0 re-raises its exception and every other rank raises ``Rank0Error`` naming it, so
 no rank is left waiting in a later collective. The plain alternative, when the other ranks need
 not wait, is ``if autoddp.is_main(): ...``.
@@ -28,13 +28,13 @@ from typing import Any, TypeVar, overload
 
 import torch.distributed as dist
 
-from autoddp import _compat, _patches
-from autoddp.errors import ConfigurationError, Rank0Error
-from autoddp.hang import record
-from autoddp.hang.marks import MARKS
-from autoddp.rank_zero import refusals, skip
-from autoddp.state import CURRENT
-from autoddp.world import current
+from autoddp.core import _compat, _patches
+from autoddp.core.errors import ConfigurationError, Rank0Error
+from autoddp.core.state import CURRENT
+from autoddp.in_rank.hang import record
+from autoddp.in_rank.hang.marks import MARKS
+from autoddp.in_rank.rank_zero import refusals, skip
+from autoddp.in_rank.world import current
 
 F = TypeVar("F", bound=Callable[..., Any])
 

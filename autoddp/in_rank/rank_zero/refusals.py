@@ -15,9 +15,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from autoddp import _compat, _patches
-from autoddp._compat import collectives
-from autoddp.errors import CollectiveInRank0Error
+from autoddp.core import _compat, _patches
+from autoddp.core._compat import collectives
+from autoddp.core.errors import CollectiveInRank0Error
 
 
 class _State:
@@ -36,7 +36,7 @@ _SHARDED_HINT = (
     " (a sharded model's (strategy='fsdp') or a DTensor's values are gathered this way: its "
     "state_dict() saved, autoddp.save(model, ...), or its weights read in full. Gather on every rank "
     "instead: call autoddp.save(model, path) outside the block (every rank gathers, rank 0 writes), "
-    "or take state = autoddp.models.state_dict(model) before it and use state inside)"
+    "or take state = autoddp.in_rank.models.state_dict(model) before it and use state inside)"
 )
 
 
@@ -66,7 +66,7 @@ def _make_refusals() -> list[tuple[ModuleType, str, Callable[..., Any]]]:
     made.append(
         (dist, _compat.DDP_BUFFER_BROADCAST, _refusal(f"torch.distributed.{_compat.DDP_BUFFER_BROADCAST}"))
     )
-    for name in ("autoddp", "autoddp.world"):
+    for name in ("autoddp", "autoddp.in_rank.world"):
         module = sys.modules.get(name)
         if module is not None and vars(module).get("barrier") is not None:
             made.append((module, "barrier", _refusal("autoddp.barrier")))

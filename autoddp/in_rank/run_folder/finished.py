@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 
-from autoddp import _variables
-from autoddp.world.transport import write_private
+from autoddp.core import _variables
+from autoddp.in_rank.run_folder.transport import write_private
 
 
 def mark_finished(rank: int) -> None:

@@ -26,10 +26,10 @@ from typing import Any, BinaryIO
 import cloudpickle
 import torch
 
-from autoddp import _frames
-from autoddp._leftovers import private_folder
-from autoddp.errors import RemoteError, RemoteTraceback, SerializationError
-from autoddp.world.importable import ByValue
+from autoddp.core import _frames
+from autoddp.core._leftovers import private_folder
+from autoddp.core.errors import RemoteError, RemoteTraceback, SerializationError
+from autoddp.in_rank.run_folder.importable import ByValue
 
 _PAYLOAD = "job.pkl"
 _PATH = "sys_path.json"

@@ -1,7 +1,7 @@
 """What runs inside each worker process: set the process up, run the job, report, leave.
 
 Forked workers enter through ``run_job_forked`` (called by torch.distributed.elastic's
-multiprocessing); fresh interpreters through ``python -m autoddp.worker FOLDER``.
+multiprocessing); fresh interpreters through ``python -m autoddp.in_rank.worker FOLDER``.
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ from typing import Any
 
 import torch
 
-from autoddp import _compat, _variables, _warn, environment
-from autoddp._compat import forks
-from autoddp.errors import AutoDDPError
-from autoddp.worker import stdin
-from autoddp.worker.running import Job, portable, run_in_world
-from autoddp.world import finished, placement, transport
+from autoddp.core import _compat, _variables, _warn, environment
+from autoddp.core._compat import forks
+from autoddp.core.errors import AutoDDPError
+from autoddp.in_rank.run_folder import finished, transport
+from autoddp.in_rank.worker import stdin
+from autoddp.in_rank.worker.running import Job, portable, run_in_world
+from autoddp.in_rank.world import placement
 
 
 def run_job_forked(job: Job, folder: str) -> None:
@@ -40,7 +41,7 @@ def run_job_forked(job: Job, folder: str) -> None:
 
 
 def main() -> None:
-    """Entry point of a fresh worker interpreter (``python -m autoddp.worker FOLDER``)."""
+    """Entry point of a fresh worker interpreter (``python -m autoddp.in_rank.worker FOLDER``)."""
     folder = sys.argv[1]
     _set_up_process()
     try:

@@ -4,8 +4,8 @@
 and finishes its result while still inside the world (``prepare`` for a caller in the same
 process, ``portable`` for a result that travels back to the caller); then the group is left.
 The decorator's in-place path, its one-process path and every worker go through it; in a world
-of several processes the call runs under ``autoddp.capture`` (unless the run turned it off) and,
-in a worker an autoddp launcher watches, with the hang report's marks (``autoddp.hang.marks``).
+of several processes the call runs under ``autoddp.in_rank.capture`` (unless the run turned it off) and,
+in a worker an autoddp launcher watches, with the hang report's marks (``autoddp.in_rank.hang.marks``).
 """
 
 from __future__ import annotations
@@ -18,12 +18,14 @@ from typing import Any
 
 import torch
 
-from autoddp import _containers, models
-from autoddp._prepare import prepare_call
-from autoddp.hang import marks
-from autoddp.state import CURRENT, RunOptions, World
-from autoddp.world import finished, process_group, streams
-from autoddp.world.kept_groups import KeptGroups
+from autoddp.core import _containers
+from autoddp.core.state import CURRENT, RunOptions, World
+from autoddp.in_rank import models
+from autoddp.in_rank._prepare import prepare_call
+from autoddp.in_rank.hang import marks
+from autoddp.in_rank.run_folder import finished
+from autoddp.in_rank.world import process_group, streams
+from autoddp.in_rank.world.kept_groups import KeptGroups
 
 
 @dataclasses.dataclass
@@ -90,7 +92,7 @@ def _capturing(
     the models that optimizers made before the call train (``made_before``, wrapped already)."""
     if world.world_size <= 1 or not options.capture:
         return contextlib.nullcontext()
-    from autoddp import capture
+    from autoddp.in_rank import capture
 
     return capture.capturing(options, world, made_before)
 

@@ -1,4 +1,4 @@
-"""``python -m autoddp.worker.script [--no-capture] (PATH | --module NAME) ARGS...``: a user script
+"""``python -m autoddp.in_rank.worker.script [--no-capture] (PATH | --module NAME) ARGS...``: a user script
 in a worker.
 
 Runs the script as ``python PATH ARGS`` / ``python -m NAME ARGS`` would (``sys.argv``,
@@ -6,13 +6,13 @@ Runs the script as ``python PATH ARGS`` / ``python -m NAME ARGS`` would (``sys.a
 error file, so the ``autoddp`` command can name the failing rank without the user adding
 ``@record``, and its traceback is printed without this runner's own frames.
 
-In a world of several processes the script runs under ``autoddp.capture`` (unless
+In a world of several processes the script runs under ``autoddp.in_rank.capture`` (unless
 ``--no-capture``): this process is pinned to its GPU first, and the process group is made when
 capture first needs it. A script that makes its own group first (torchrun-style) is left alone.
 After a script that ends well, the process groups left open (its own, or the one capture made)
 are destroyed at exit, after the script's own atexit hooks (``process_group.leave_open_groups``):
 an open gloo group can abort the exit. While the script runs in a worker the launcher watches,
-its collectives are marked for the hang report (``autoddp.hang.marks``).
+its collectives are marked for the hang report (``autoddp.in_rank.hang.marks``).
 """
 
 from __future__ import annotations
@@ -39,16 +39,18 @@ from typing import Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from autoddp import _compat, _frames, _patches, _variables, capture, environment, models
-from autoddp._compat import gloo_lines
-from autoddp._warn import say
-from autoddp.environment import hardware, preflight
-from autoddp.hang import marks
-from autoddp.state import RunOptions, World
-from autoddp.worker import process, stdin
-from autoddp.world import finished, process_group, stdout, transport
-from autoddp.world.kept_groups import KeptGroups
-from autoddp.world.placement import own_gpu
+from autoddp.core import _compat, _frames, _patches, _variables, environment
+from autoddp.core._compat import gloo_lines
+from autoddp.core._warn import say
+from autoddp.core.environment import hardware, preflight
+from autoddp.core.state import RunOptions, World
+from autoddp.in_rank import capture, models
+from autoddp.in_rank.hang import marks
+from autoddp.in_rank.run_folder import finished, transport
+from autoddp.in_rank.worker import process, stdin
+from autoddp.in_rank.world import process_group, stdout
+from autoddp.in_rank.world.kept_groups import KeptGroups
+from autoddp.in_rank.world.placement import own_gpu
 
 
 def _run(argv: list[str]) -> None:
@@ -236,7 +238,7 @@ def main(leave_groups_at_exit: bool = True, kept: KeptGroups | None = None) -> N
 
 def run_script_forked(argv: list[str]) -> None:
     """Entry point of a worker forked from the ``autoddp`` command (its fast start): run the script
-    as ``python -m autoddp.worker.script ARGV`` would, then leave as that interpreter would.
+    as ``python -m autoddp.in_rank.worker.script ARGV`` would, then leave as that interpreter would.
 
     Returns only on success, as elastic expects; the exit status otherwise. The command's own
     atexit hooks and signal handlers are not the script's: dropped first (the script's atexit

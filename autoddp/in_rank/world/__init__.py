@@ -1,6 +1,6 @@
 """The current world for user code: rank, world size, device, and a barrier.
 
-The helpers read the world this process joined (``autoddp.state.CURRENT``) and, outside any
+The helpers read the world this process joined (``autoddp.core.state.CURRENT``) and, outside any
 joined world, what the environment says (rank 0 of a world of 1 in a plain process). Nothing
 here writes ``os.environ``.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from autoddp import environment
-from autoddp.state import CURRENT, World
+from autoddp.core import environment
+from autoddp.core.state import CURRENT, World
 
 
 def current() -> World:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from autoddp import _compat, _patches
+from autoddp.core import _compat, _patches
 
 
 class KeptGroups:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from autoddp.errors import ConfigurationError
-from autoddp.state import World
+from autoddp.core.errors import ConfigurationError
+from autoddp.core.state import World
 
 
 def own_gpu(world: World, visible: int) -> int | None:

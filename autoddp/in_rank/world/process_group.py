@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from autoddp import _compat
-from autoddp._compat import gloo_lines
-from autoddp._warn import say
-from autoddp.errors import ConfigurationError
-from autoddp.state import CURRENT, RunOptions, World
-from autoddp.world import stdout
+from autoddp.core import _compat
+from autoddp.core._compat import gloo_lines
+from autoddp.core._warn import say
+from autoddp.core.errors import ConfigurationError
+from autoddp.core.state import CURRENT, RunOptions, World
+from autoddp.in_rank.world import stdout
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -150,7 +150,7 @@ class _GroupJoined:
     def __enter__(self) -> World:
         world, backend = self.world, self.backend
         if backend.use_cuda and world.world_size > 1 and not _group_exists():
-            from autoddp.environment import preflight  # (the CUDA path only)
+            from autoddp.core.environment import preflight  # (the CUDA path only)
 
             # cuda:<local rank>, or the GPU a scheduler bound to this task; an error before NCCL's
             index = preflight.check(world, announce=self.announce)
@@ -318,7 +318,7 @@ def _name_interface(world: World) -> None:
     (where gloo and NCCL read them), unless the user set either; local rank 0 says which.
     """
     assert world.master_addr is not None
-    from autoddp.environment import network  # (multi-machine worlds only)
+    from autoddp.core.environment import network  # (multi-machine worlds only)
 
     choice = network.choose(world.master_addr, os.environ)
     if choice.variables:

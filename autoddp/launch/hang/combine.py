@@ -18,7 +18,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from autoddp.hang import record, stacks
+from autoddp.in_rank.hang import record
+from autoddp.launch.hang import stacks
 
 _ANSWER_SECONDS = 4.0  # how long node 0 waits for another node's stacks
 

@@ -6,7 +6,8 @@ import dataclasses
 import re
 from collections.abc import Mapping
 
-from autoddp.hang import record, stacks, verdict
+from autoddp.in_rank.hang import record
+from autoddp.launch.hang import stacks, verdict
 
 _LIBRARY_FRAMES = 4  # library frames shown below a late rank's own (where its code called into)
 _USER_FRAMES = 12

@@ -3,7 +3,7 @@
 A worker that answers (``record.ANSWERS``) writes every thread's Python stack to its dump file
 when it receives ``record.DUMP_SIGNAL`` (see ``marks``); the stack that matters is its main
 thread's, where the user's code runs. Which frames are the user's, and how a file is named, is
-``autoddp._frames``'s one rule.
+``autoddp.core._frames``'s one rule.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import re
 import time
 from collections.abc import Iterable
 
-from autoddp import _frames
-from autoddp.hang import record
+from autoddp.core import _frames
+from autoddp.in_rank.hang import record
 
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+)")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from autoddp.hang import record
+from autoddp.in_rank.hang import record
 
 LATE = "late"
 RANK0_BUSY = "rank0 busy"

@@ -15,8 +15,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from autoddp._warn import one_line, say
-from autoddp.hang import combine, message, record, stacks, verdict
+from autoddp.core._warn import one_line, say
+from autoddp.in_rank.hang import record
+from autoddp.launch.hang import combine, message, stacks, verdict
 
 #: A situation that lasts is reported again at most this often.
 REPEAT_SECONDS = 180.0
