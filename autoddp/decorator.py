@@ -11,12 +11,12 @@ from typing import Any, TypeVar, overload
 import wrapt
 
 from autoddp import options as options_list
-from autoddp.core import _warn, environment
+from autoddp.core import _warn, backends, environment
 from autoddp.core.environment import hardware
 from autoddp.core.errors import ConfigurationError
 from autoddp.in_rank._prepare import prepare
 from autoddp.in_rank.worker.running import Job, run_in_world
-from autoddp.in_rank.world import process_group, streams
+from autoddp.in_rank.world import streams
 from autoddp.launch import plan as launch_plan
 from autoddp.options import Options
 
@@ -124,8 +124,8 @@ def _decorate(fn: Callable[..., Any], options: Options) -> DistributedFunction:
 def _call(options: Options, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     env = environment.detect()
     gpus = hardware.gpu_count()
-    backend = process_group.resolve_backend(options.backend, gpus)
-    job = Job(wrapped, args, kwargs, backend, process_group.as_timeout(options.timeout), options.run_options)
+    backend = backends.resolve_backend(options.backend, gpus)
+    job = Job(wrapped, args, kwargs, backend, backends.as_timeout(options.timeout), options.run_options)
     if env.launched:
         world = env.world()
         if options.nproc is not None and options.nproc != world.local_world_size:

@@ -17,12 +17,12 @@ import operator
 from collections.abc import Mapping
 from typing import Any
 
+from autoddp.core import backends
 from autoddp.core.environment import hardware
 from autoddp.core.errors import ConfigurationError
 from autoddp.core.state import RunOptions
 from autoddp.in_rank import models
 from autoddp.in_rank.hang import record as hang_record
-from autoddp.in_rank.world import process_group
 from autoddp.launch import output as launch_output
 from autoddp.launch import plan as launch_plan
 from autoddp.launch import start_method as launch_start
@@ -173,12 +173,12 @@ class Options:
                 f"nproc={self.nproc!r} is not a positive whole number of processes; pass e.g. "
                 "nproc=2, or leave it unset for one process per visible GPU (1 without GPUs)"
             )
-        process_group.resolve_backend(self.backend, gpus=1)  # the name only; GPUs are checked per call
+        backends.resolve_backend(self.backend, gpus=1)  # the name only; GPUs are checked per call
         if self.start_method not in launch_start.START_METHODS:
             raise ConfigurationError(
                 f"unknown start_method={self.start_method!r}: use 'auto' (default), 'fork' or 'spawn'"
             )
-        process_group.as_timeout(self.timeout)
+        backends.as_timeout(self.timeout)
         if not _at_least(self.max_restarts, 0):
             raise ConfigurationError(
                 f"max_restarts={self.max_restarts!r} must be a whole number >= 0 (restarts after a failure)"
@@ -233,7 +233,7 @@ class Options:
         same.update(ddp_kwargs=dict(self.ddp or {}), fsdp_blocks=tuple(self.fsdp_blocks))
         return RunOptions(**same)
 
-    def process_count(self, backend: process_group.Backend, gpus: int) -> int:
+    def process_count(self, backend: backends.Backend, gpus: int) -> int:
         if self.nproc is None:
             return gpus if backend.use_cuda else 1
         if backend.use_cuda and self.nproc > gpus:

@@ -18,8 +18,9 @@ import pytest
 from torch.distributed import constants
 
 from autoddp.core import _compat
+from autoddp.core.backends import Backend
 from autoddp.core.state import World
-from autoddp.in_rank.world.process_group import Backend, group_arguments
+from autoddp.in_rank.world.process_group import group_arguments
 from autoddp.launch.diagnostics import nccl_variables
 from autoddp.launch.side_gloo import side_gloo_variables
 from conftest import run_python, write

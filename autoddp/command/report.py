@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from autoddp.core import _compat, environment
+from autoddp.core import _compat, backends, environment
 from autoddp.core.environment import hardware, network
 from autoddp.core.state import World
 
@@ -135,7 +135,6 @@ def _launch_section(
 
 def _command_section(environ: Mapping[str, str], gpus: int, nproc: int | None) -> list[str]:
     """What ``autoddp script.py`` would do here: processes, threads, backend, start, network."""
-    from autoddp.in_rank.world import process_group
     from autoddp.launch import start_method as launch
 
     env = environment.detect(environ)
@@ -155,7 +154,7 @@ def _command_section(environ: Mapping[str, str], gpus: int, nproc: int | None) -
         if threads is not None
         else f"{environ['OMP_NUM_THREADS']} per process (OMP_NUM_THREADS, yours)"
     )
-    backend = process_group.resolve_backend(None, gpus)
+    backend = backends.resolve_backend(None, gpus)
     method, reason = launch.choose_start_method("auto", None)
     group = "NCCL for CUDA tensors, gloo for CPU ones" if backend.use_cuda else "gloo"
     rows = [
@@ -278,16 +277,14 @@ def _gpus(count: int, name_gpus: bool) -> str:
 
 
 def _backend(gpus: int) -> str:
-    from autoddp.in_rank.world import process_group
 
-    backend = process_group.resolve_backend(None, gpus)
+    backend = backends.resolve_backend(None, gpus)
     why = "CUDA tensors on NCCL, CPU tensors on gloo" if backend.use_cuda else "no GPU: CPU processes"
     return f"{backend.label} ({why}; backend= to change)"
 
 
 def _start_method(gpus: int) -> str:
-    from autoddp.in_rank.world import process_group
     from autoddp.launch import start_method as launch
 
-    method, reason = launch.choose_start_method("auto", process_group.resolve_backend(None, gpus))
+    method, reason = launch.choose_start_method("auto", backends.resolve_backend(None, gpus))
     return f"{method} ({reason})"

@@ -10,9 +10,9 @@ import torch
 
 from autoddp.core import _compat
 from autoddp.core._compat import forks
+from autoddp.core.backends import Backend
 from autoddp.core.environment import hardware
 from autoddp.core.errors import ConfigurationError
-from autoddp.in_rank.world.process_group import Backend
 
 START_METHODS = ("auto", "fork", "spawn")
 

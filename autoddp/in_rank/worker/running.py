@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from autoddp.core import _containers
+from autoddp.core import _containers, backends
 from autoddp.core.state import CURRENT, RunOptions, World
 from autoddp.in_rank import models
 from autoddp.in_rank._prepare import prepare_call
@@ -35,7 +35,7 @@ class Job:
     fn: Callable[..., Any]
     args: tuple
     kwargs: dict
-    backend: process_group.Backend
+    backend: backends.Backend
     timeout: datetime.timedelta | None
     options: RunOptions
     #: The caller's random states, when workers are started for the call (see ``streams``).

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from autoddp.core import _compat, _frames, _patches, _variables, environment
+from autoddp.core import _compat, _frames, _patches, _variables, backends, environment
 from autoddp.core._compat import gloo_lines
 from autoddp.core._warn import say
 from autoddp.core.environment import hardware, preflight
@@ -100,9 +100,7 @@ class _ScriptWorld:
     it at exit with any other group left open; after a failure it is left to the exit.
     """
 
-    def __init__(
-        self, world: World, backend: process_group.Backend, timeout: datetime.timedelta | None
-    ) -> None:
+    def __init__(self, world: World, backend: backends.Backend, timeout: datetime.timedelta | None) -> None:
         self.world, self.backend, self.timeout = world, backend, timeout
         self._joined: Any = None
 
@@ -119,7 +117,7 @@ def _start_capture(
     world = environment.detect().world()
     if world.world_size <= 1 or not capture_on:
         return None
-    backend = process_group.resolve_backend(None, hardware.gpu_count())
+    backend = backends.resolve_backend(None, hardware.gpu_count())
     if backend.use_cuda:
         torch.cuda.set_device(preflight.check(world))  # before the script touches CUDA (or NCCL)
     else:
@@ -163,7 +161,7 @@ def _runner_flags(argv: list[str]) -> tuple[bool, RunOptions, datetime.timedelta
         if argv[0] == "--no-capture":
             capture_on, argv = False, argv[1:]
         elif argv[0] == "--timeout":
-            timeout, argv = process_group.as_timeout(float(argv[1])), argv[2:]
+            timeout, argv = backends.as_timeout(float(argv[1])), argv[2:]
         else:
             given = json.loads(argv[1])
             given["fsdp_blocks"] = tuple(given.get("fsdp_blocks", ()))
