@@ -134,10 +134,9 @@ def test_master_port_start_method_and_the_lines_that_stop_a_run(tmp_path):
         holder.close()
     seen = _seen(runs[0])
     assert {r["env"]["MASTER_PORT"] for r in seen.values()} == {str(port)}  # a port opened in a firewall
-    assert all(
-        "autoddp.in_rank.worker.script" in r["argv"] for r in _seen(runs[1]).values()
-    )  # fresh interpreters
-    assert all(script not in r["argv"] for r in seen.values())  # forked by default
+    runner = "autoddp.in_rank.worker.script"
+    assert all(runner in r["argv"] for r in _seen(runs[1]).values())  # fresh interpreters
+    assert all(runner not in r["argv"] for r in seen.values())  # forked by default
     lines_say = [f"--master-port {taken}: port {taken} .* cannot be used", "192.0.2.1", "/proc"]
     for done, says in zip(runs[2:], lines_say, strict=True):
         lines = done.stderr.strip().splitlines()
