@@ -1,5 +1,5 @@
-"""The package's shape: the layers ARCHITECTURE.md draws, no import cycle, small modules, few modules
-at the root, the public API as documented."""
+"""The package's shape: the wings ARCHITECTURE.md draws (imported only downward, launch reaching in_rank
+through the wire), no import cycle, small modules, few entries at the root, the public API as documented."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from conftest import run_python
 
 PACKAGE = pathlib.Path(autoddp.__file__).resolve().parent
 MAX_LINES = 400
-MAX_ROOT_MODULES = 15
+MAX_ROOT_ENTRIES = 10
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -84,76 +84,119 @@ def test_the_import_graph_has_no_cycle():
     )
 
 
-def _layers() -> list[tuple[str, list[str]]]:
-    """ARCHITECTURE.md's layer table: (layer, the module names in its Modules column), in row order."""
+def _table(header: str) -> list[list[str]]:
+    """The rows of ARCHITECTURE.md's table that starts with ``header``: each row's cells."""
     text = (PACKAGE.parent / "ARCHITECTURE.md").read_text()
-    table = text[text.index("| Layer | Modules | Holds |") :].split("\n\n", 1)[0]
-    rows = [line.split("|")[1:3] for line in table.splitlines()[2:]]
-    return [
-        (layer.strip(), [n for n in re.findall(r"`([^`]+)`", names) if n != "__init__"])
-        for layer, names in rows
-    ]
+    table = text[text.index(header) :].split("\n\n", 1)[0]
+    return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in table.splitlines()[2:]]
 
 
-def _layer_of_each_module() -> dict[str, int]:
-    """Each module's layer (0 for the first row): named exactly, else through the nearest folder
-    named with a ``/``; every module in exactly one row."""
-    modules = _modules()
-    exact: dict[str, int] = {}
-    folders: dict[str, int] = {}
-    for index, (_layer, names) in enumerate(_layers()):
-        for name in names:
-            full = "autoddp" if name == "autoddp" else "autoddp." + name.rstrip("/")
-            target = folders if name.endswith("/") else exact
-            assert full not in target, f"{name} is in two rows of the layer table"
-            assert full in modules, f"the layer table names {name}, which is not a module"
-            target[full] = index
-    found = {}
-    for name in modules:
-        if name in exact:
-            found[name] = exact[name]
-            continue
-        parents = [f for f in folders if name == f or name.startswith(f + ".")]
-        assert parents, f"{name} is in no row of ARCHITECTURE.md's layer table"
-        found[name] = folders[max(parents, key=len)]
-    return found
+#: The wings, top down: each imports only from the wings below it (doors -> launch -> in_rank ->
+#: core); ``launch`` reaches ``in_rank`` only through the wire (ARCHITECTURE.md's wire table).
+WINGS = ("doors", "launch", "in_rank", "core")
+
+
+def _wing(name: str) -> str:
+    """The wing of module ``name``: its folder under autoddp/, or the doors for the root's modules
+    and ``command/``."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in WINGS else "doors"
+
+
+def _wire() -> set[str]:
+    """The modules and folders of ``in_rank`` that ARCHITECTURE.md's wire table lets launch/ import."""
+    return {re.findall(r"`([^`]+)`", row[0])[0] for row in _table("| Wire | ")}
+
+
+def _crossings(modules: dict[str, pathlib.Path]) -> list[str]:
+    """Every import that breaks the wings' order, said in a line."""
+    wire = {"autoddp." + name for name in _wire()}
+    found = []
+    for name, path in modules.items():
+        for target in _imports(path, modules) - {name}:
+            here, there = _wing(name), _wing(target)
+            if WINGS.index(there) < WINGS.index(here):
+                found.append(f"{name} ({here}) imports {target} ({there}), a wing above it")
+            elif (here, there) == ("launch", "in_rank") and not any(
+                target == w or target.startswith(w + ".") for w in wire
+            ):
+                found.append(f"{name} imports {target}, which is not on the wire")
+    return sorted(found)
 
 
 @pytest.mark.unit
-def test_no_import_runs_back_up_a_layer():
-    """Rows of the layer table are in dependency order: a module imports from its own row or
-    those above it (the table's first row is the bottom layer, the leaves)."""
+def test_wings_import_only_downward_and_launch_reaches_in_rank_through_the_wire_only():
+    """doors -> launch -> in_rank -> core: in_rank never imports launch, core imports neither, no
+    wing imports the doors, and launch imports from in_rank only what the wire table names."""
+    assert _crossings(_modules()) == []
+
+
+@pytest.mark.unit
+def test_the_wing_check_fails_on_each_kind_of_crossing(tmp_path):
+    """The check above is not vacuous: an import up from in_rank or core, or from launch to an
+    in_rank module off the wire, is each reported."""
+    modules = dict(_modules())
+    cases = {
+        "autoddp.in_rank.capture.bad": "from autoddp.launch import local\n",
+        "autoddp.core.bad": "from autoddp.in_rank.world import placement\n",
+        "autoddp.core.worse": "from autoddp.launch import output\n",
+        "autoddp.launch.bad": "from autoddp.in_rank.models import ddp\n",
+        "autoddp.in_rank.bad": "from autoddp import options\n",
+    }
+    for name, source in cases.items():
+        path = tmp_path / (name.replace(".", "_") + ".py")
+        path.write_text(source)
+        found = _crossings({**modules, name: path})
+        assert [line for line in found if line.startswith(name + " ")], name
+
+
+@pytest.mark.unit
+def test_the_wing_and_wire_tables_are_the_code():
+    """ARCHITECTURE.md's wing table names the four wings top down; every wire entry exists, is
+    in in_rank/, and is used by launch/ (the list does not rot); the wire stays short."""
+    rows = _table("| Wing | ")
+    named = [re.findall(r"`([^`/]+)/?`", row[0])[0] for row in rows]
+    assert named[1:] == list(WINGS[1:]) and len(rows) == 4, named
     modules = _modules()
-    layer = _layer_of_each_module()
-    names = [row for row, _ in _layers()]
-    upward = sorted(
-        f"{name} ({names[layer[name]]}) imports {target} ({names[layer[target]]})"
+    wire = _wire()
+    assert 0 < len(wire) <= 5, wire
+    used = {
+        target
         for name, path in modules.items()
-        for target in _imports(path, modules) - {name}
-        if layer[target] > layer[name]
-    )
-    assert upward == []
-
-
-def _folder_of(name: str, modules: dict[str, pathlib.Path]) -> str:
-    """The folder (concept) a module belongs to; a module at the root is its own."""
-    parts = name.split(".")
-    top = ".".join(parts[:2])
-    if len(parts) >= 2 and top in modules and modules[top].name == "__init__.py":
-        return parts[1] + "/"
-    return parts[-1]
+        if _wing(name) == "launch"
+        for target in _imports(path, modules)
+    }
+    for entry in wire:
+        full = "autoddp." + entry
+        assert full in modules and _wing(full) == "in_rank", entry
+        assert any(u == full or u.startswith(full + ".") for u in used), f"launch/ no longer uses {entry}"
 
 
 @pytest.mark.unit
 def test_folders_are_layers_too_no_two_import_each_other():
-    """A folder is a concept and a layer: its imports of other folders run one way only (the
-    folder graph, root modules each their own node, has no cycle)."""
+    """Inside the wings a folder is a concept and a layer: the graph of folders (``in_rank/capture``,
+    ``launch/hang``, ...; a wing's own modules each their own node) has no cycle."""
     modules = _modules()
+
+    def folder(name: str) -> str:
+        parts = name.split(".")
+        package = ".".join(parts[:3])
+        if (
+            len(parts) >= 3
+            and parts[1] in WINGS
+            and package in modules
+            and modules[package].name == "__init__.py"
+        ):
+            return "/".join(parts[1:3]) + "/"  # a folder inside a wing: in_rank/capture/
+        if len(parts) >= 2 and parts[1] == "command":
+            return "command/"
+        return ".".join(parts[1:]) or "autoddp"  # a wing's own module, a door
+
     graph: dict[str, set[str]] = {}
     why: dict[tuple[str, str], str] = {}
     for name, path in modules.items():
         for target in _imports(path, modules) - {name}:
-            a, b = _folder_of(name, modules), _folder_of(target, modules)
+            a, b = folder(name), folder(target)
             if a != b:
                 graph.setdefault(a, set()).add(b)
                 why.setdefault((a, b), f"{name} imports {target}")
@@ -161,24 +204,15 @@ def test_folders_are_layers_too_no_two_import_each_other():
     assert cycle == [], "folders import each other: " + "; ".join(
         why[a, b] for a, b in itertools.pairwise(cycle)
     )
-    assert {"world/", "worker/", "capture/", "hang/", "launch/"} <= set(graph)
+    assert {"in_rank/capture/", "in_rank/worker/", "launch/hang/", "core/environment/"} <= set(graph)
 
 
 @pytest.mark.unit
-def test_the_layer_table_is_checked():
-    """The table read here is the one on the page (a module moved a row is caught)."""
-    layers = dict(_layers())
-    assert "errors" in layers["leaves"] and "launch/" in layers["launching"]
-    assert layers["front doors"][-1] == "autoddp" and "worker" in layers["leaves"]
-    layer = _layer_of_each_module()
-    assert layer["autoddp.launch.local"] == [row for row, _ in _layers()].index("launching")
-    assert layer["autoddp.in_rank.capture.passes"] == [row for row, _ in _layers()].index("in a world")
-
-
-@pytest.mark.unit
-def test_few_modules_at_the_root_and_strategies_behind_their_seam():
-    root = sorted(path.name for path in PACKAGE.glob("*.py"))
-    assert len(root) <= MAX_ROOT_MODULES, root
+def test_few_entries_at_the_root_and_strategies_behind_their_seam():
+    """At most 10 entries in autoddp/ (the doors and the three wings); strategy-specific code is
+    reached through in_rank.models only."""
+    root = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__")
+    assert len(root) <= MAX_ROOT_ENTRIES, root
     modules = _modules()
     strategies = {
         "autoddp.in_rank.models." + n
