@@ -2,7 +2,7 @@
 
 Each worker marks when the user's code is done (a script's atexit hooks included; a decorated
 function's return): ``leaving``, and when autoddp's own end of the process is done: ``ended``
-(``world.finished``). In between lie only the freeing of the user's objects (a ``__del__``, a C++
+(``run_folder.finished``). In between lie only the freeing of the user's objects (a ``__del__``, a C++
 destructor waiting for a thread) and the group's teardown, which take well under a second. Once
 every local rank is leaving, a rank that has not ended ``EXIT_SECONDS`` later is stuck there: it
 is stopped with SIGTERM, which writes its stacks to the run folder (``worker.process``), and
