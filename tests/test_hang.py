@@ -493,3 +493,28 @@ def test_a_dump_is_read_once_the_handler_has_run_not_when_the_file_looks_still(t
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.unit
+def test_a_ranks_stack_dump_leaves_out_the_hang_pollers_thread(tmp_path):
+    """The caller drops the poller's thread from a rank's dump by the function the record names
+    (``record.POLLER``), without importing the rank's poller: a real faulthandler dump of a
+    process whose poller runs keeps the main thread and loses the poller's."""
+    import faulthandler
+
+    from autoddp.in_rank.hang import pending, record
+    from autoddp.launch.failures import _without_our_threads
+
+    poller = pending.Pending()
+    poller.start(writer=None)
+    try:
+        time.sleep(0.05)
+        with open(tmp_path / "dump", "w+") as dump:
+            faulthandler.dump_traceback(dump, all_threads=True)
+            dump.seek(0)
+            text = dump.read()
+    finally:
+        poller.stop()
+    assert f" in {record.POLLER}\n" in text  # the dump holds the poller's thread
+    kept = _without_our_threads(text)
+    assert record.POLLER not in kept and "test_a_ranks_stack_dump_leaves_out_the_hang_pollers_thread" in kept
