@@ -197,7 +197,7 @@ def step_time(device: torch.device) -> tuple[bool, Any]:
 def fsdp_missing(device: torch.device) -> str | None:
     """Why strategy="fsdp" cannot run on ``device`` with this torch (autoddp's error), or None."""
     try:
-        models.fsdp_api(device.type)
+        models.fsdp.fsdp_api(device.type)
     except ConfigurationError as error:
         return str(error)
     return None

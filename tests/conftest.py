@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from autoddp.core.errors import ConfigurationError
-from autoddp.in_rank.models import fsdp_api
+from autoddp.in_rank.models.fsdp import fsdp_api
 from autoddp.launch.contract import TORCHRUN_VARIABLES
 
 

@@ -4,7 +4,7 @@ becomes a cached subclass with the same name and qualified name.
 ``cached_subclass`` makes such a subclass once per class and contents; ``swap_class`` gives it to
 a module; ``plain_reduce`` pickles and deep-copies a swapped module as its plain class;
 ``redirect_compiled`` has a ``torch.compile`` result call through its swapped module. A swapped
-class keeps its plain class in ``PLAIN_CLASS`` and its strategy in ``_autoddp_strategy``.
+class keeps its plain class in ``PLAIN_CLASS`` and its strategy's name in ``_autoddp_strategy``.
 Strategy-specific behaviour (DDP's routing: ``models._routing``; FSDP's loads: ``models.fsdp``)
 lives with its strategy.
 """

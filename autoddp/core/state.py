@@ -14,8 +14,8 @@ import contextlib
 import dataclasses
 import datetime
 import weakref
-from collections.abc import Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +51,6 @@ class RunOptions:
     split_batches: bool = False
 
 
-class Releasing(Protocol):
-    """What wrapped a model: it can let go of the model's process group (a model strategy)."""
-
-    def release(self, model: Any) -> None: ...
-
-
 class Run:
     """The world this process has joined, if any, with the run's options and wrapped models."""
 
@@ -89,7 +83,7 @@ class Run:
         self.backwards = 0
         self.backward_kind: str | None = None
         #: Models wrapped in each joined world, innermost last (weakly: a model may go).
-        self._wrapped: list[weakref.WeakKeyDictionary[Any, Releasing]] = []
+        self._wrapped: list[weakref.WeakKeyDictionary[Any, Callable[[Any], None]]] = []
 
     def entered(
         self,
@@ -100,10 +94,11 @@ class Run:
         """Make ``world`` the current one for a ``with`` block (the previous one comes back after it)."""
         return _InWorld(self, world, options or RunOptions(), timeout)
 
-    def track(self, model: Any, strategy: Releasing) -> None:
-        """Remember that ``strategy`` wrapped ``model`` in the innermost joined world."""
+    def track(self, model: Any, release: Callable[[Any], None]) -> None:
+        """Remember that ``model`` was wrapped in the innermost joined world, and how its strategy
+        lets go of the model's process group (``release(model)``)."""
         if self._wrapped:
-            self._wrapped[-1][model] = strategy
+            self._wrapped[-1][model] = release
 
     def wrapped_models(self) -> list[Any]:
         """The models wrapped in the joined worlds, innermost first."""
@@ -114,8 +109,8 @@ class Run:
         if not self._wrapped:
             return
         wrapped = self._wrapped[-1]
-        for model, strategy in list(wrapped.items()):
-            strategy.release(model)
+        for model, release in list(wrapped.items()):
+            release(model)
         wrapped.clear()
 
 

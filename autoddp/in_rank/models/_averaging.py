@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from autoddp.core import _warn
+from autoddp.core.state import CURRENT
 from autoddp.in_rank.models import _reduction, _routing
 
 _GUARDED = "_autoddp_guarded"
@@ -154,8 +155,6 @@ def _global_value(loss: Any) -> Any:
     """A loss averaged across ranks, exactly the same number on every rank (anything else as it is)."""
     import torch.distributed as dist
 
-    from autoddp.core.state import CURRENT
-
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         total = loss.detach().clone()
     elif isinstance(loss, (int, float)) and not isinstance(loss, bool) and CURRENT.world is not None:
@@ -165,6 +164,13 @@ def _global_value(loss: Any) -> Any:
     dist.all_reduce(total)
     total.div_(dist.get_world_size())
     return total if isinstance(loss, torch.Tensor) else total.item()
+
+
+def guard_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Average gradients DDP did not see before ``optimizer``'s steps (those of the models wrapped
+    in this run that it trains)."""
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    guard(optimizer, [m for m in CURRENT.wrapped_models() if any(id(p) in params for p in m.parameters())])
 
 
 def guard(optimizer: torch.optim.Optimizer, models: list[torch.nn.Module]) -> None:

@@ -45,12 +45,12 @@ def full_tensors(obj: Any, to_host: bool = True) -> Any:
     return _containers.map_items(obj, lambda item: full_tensors(item, to_host))
 
 
-def state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's state as one process would hold it (full tensors); a collective when sharded."""
     return full_tensors(optimizer.state_dict())
 
 
-def model_of(optimizer: torch.optim.Optimizer) -> torch.nn.Module | None:
+def sharded_model_of(optimizer: torch.optim.Optimizer) -> torch.nn.Module | None:
     """The sharded model whose parameters ``optimizer`` trains, among those wrapped in this run."""
     params = {id(p) for p in parameters(optimizer)}
     for model in CURRENT.wrapped_models():
@@ -59,8 +59,9 @@ def model_of(optimizer: torch.optim.Optimizer) -> torch.nn.Module | None:
     return None
 
 
-def bind(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Have ``optimizer`` load full (and sharded-checkpoint) state into its shards; idempotent."""
+def bind_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Have ``optimizer`` load full (and sharded-checkpoint) state into its shards (idempotent; an
+    optimizer over parameters that are not sharded is left as it is)."""
     if getattr(optimizer, _BOUND, False) or not any(_is_dtensor(p) for p in parameters(optimizer)):
         return optimizer
     optimizer.register_load_state_dict_pre_hook(_into_shards)
@@ -75,7 +76,7 @@ def _into_shards(optimizer: torch.optim.Optimizer, state: Any) -> Any:
     if loader is not None:  # a part of a sharded checkpoint
         _LOADING.active = True
         try:
-            loader(optimizer, model_of(optimizer))
+            loader(optimizer, sharded_model_of(optimizer))
         finally:
             _LOADING.active = False
         return optimizer.state_dict()

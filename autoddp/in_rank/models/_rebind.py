@@ -8,7 +8,7 @@ made in this process since it started or forked: a worker freezes what it inheri
 caller knows (the optimizers a decorated call reaches) and those the user's frames reach (their
 locals and globals, a few attributes deep). State an optimizer already has (momentum after some
 steps) is carried over as one process holds it, cut to this rank's shards by the optimizer's
-load (``_fsdp_state.bind``).
+load (``_fsdp_state.bind_optimizer``).
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def _rebind(optimizer: torch.optim.Optimizer, mapping: dict[int, torch.Tensor], 
         group["params"] = [mapping.get(id(p), p) for p in group["params"]]
     for old in [p for p in optimizer.state if id(p) in mapping]:
         optimizer.state.pop(old)
-    _fsdp_state.bind(optimizer)
+    _fsdp_state.bind_optimizer(optimizer)
     if full is None:
         return
     try:

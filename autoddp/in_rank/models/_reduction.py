@@ -4,7 +4,7 @@ DDP averages the gradients of one backward pass after each forward through it (t
 accumulates into ``.grad``). Gradients that reach ``.grad`` otherwise are this process's own: a
 second backward through the same forward (``retain_graph=True``), or ``torch.autograd.grad``'s
 results assigned to ``.grad`` by hand. Capture counts ``torch.autograd.backward`` and ``grad``
-calls (``counting``, in ``CURRENT``); every forward through a guarded model's DDP hooks its
+calls (``counted``, in ``CURRENT``); every forward through a guarded model's DDP hooks its
 outputs (``Ledger.forwarded``), so that a pass reaching them tells whether DDP averages it; the
 guard (``_averaging``) averages at ``step()`` when one did not, or when a step runs inside a
 backward pass (before DDP's all-reduce has finished).
@@ -25,8 +25,10 @@ BACKWARD = "backward"
 GRAD = "grad"
 
 
-def counting(original: Callable[..., Any], kind: str) -> Callable[..., Any]:
-    """``torch.autograd.backward`` or ``grad`` that says, in ``CURRENT``, that it runs (and which)."""
+def counted(original: Callable[..., Any], accumulates: bool = True) -> Callable[..., Any]:
+    """``torch.autograd.backward`` (``accumulates``) or ``grad`` that says, in ``CURRENT``, that it
+    runs, for the step's averaging guard: which backward passes DDP averaged, and a step inside one."""
+    kind = BACKWARD if accumulates else GRAD
 
     def call(*args: Any, **kwargs: Any) -> Any:
         previous = CURRENT.backward_kind

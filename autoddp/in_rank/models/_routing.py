@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
-from autoddp.core import _class_swap, _compat, _containers, _warn
+from autoddp.core import _class_swap, _compat, _containers, _patches, _warn
 from autoddp.core.state import CURRENT
 from autoddp.in_rank.models import _split
 
@@ -154,6 +154,12 @@ class NoSyncAnywhere:
         return contextlib.nullcontext
 
 
+def no_sync_at_one_process() -> _patches.Patches:
+    """``model.no_sync()`` on every module while the user's code runs in one process (a no-op
+    context; ``with`` this unit), where no model is wrapped: accumulation code runs unchanged."""
+    return _patches.Patches([(torch.nn.Module, "no_sync", NoSyncAnywhere())])
+
+
 def _watched(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a user method so that computing with gradients while bypassing DDP warns once."""
 
@@ -199,7 +205,7 @@ def _user_methods(cls: type) -> Iterator[tuple[str, Callable[..., Any]]]:
 
 
 @functools.cache
-def swapped_class(cls: type, strategy: Any) -> type:
+def swapped_class(cls: type, strategy: str) -> type:
     """A subclass of ``cls`` with the same name whose calls go through the instance's DDP."""
     namespace: dict[str, Any] = {
         "__call__": _call,
@@ -213,7 +219,7 @@ def swapped_class(cls: type, strategy: Any) -> type:
     return _class_swap.cached_subclass(cls, namespace)
 
 
-def swap(module: torch.nn.Module, strategy: Any) -> None:
+def swap(module: torch.nn.Module, strategy: str) -> None:
     """Give ``module`` its swapped class (idempotent; a watched submodule becomes a root)."""
     _unwatch(module)
     if _class_swap.PLAIN_CLASS not in type(module).__dict__:

@@ -56,7 +56,7 @@ def _zero(grad: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(grad)  # (not grad * 0: a NaN would stay NaN)
 
 
-def show_whole(loss: Any) -> None:
+def show_split_loss_whole(loss: Any) -> None:
     """After the backward of a split batch's loss: its value becomes the global batch's (the
     ranks' parts weighed, one all-reduce of a scalar), so ``loss.item()`` prints what one process
     would; its gradients were taken from this rank's part already. Every rank calls it."""
@@ -112,7 +112,7 @@ def check_loss(loss: Any, split: bool = True) -> None:
     )
 
 
-def note(model: torch.nn.Module) -> str:
+def split_note(model: torch.nn.Module) -> str:
     """The notice's words for the BatchNorm layers of ``model`` that use the global statistics."""
     count = sum(1 for sub in model.modules() if type(sub).__dict__.get("forward") is _forward)
     if not count:

@@ -31,8 +31,10 @@ from autoddp.core.environment import hardware
 from autoddp.core.errors import ConfigurationError
 from autoddp.core.state import CURRENT, RunOptions, World
 from autoddp.in_rank.models import _reduction, _routing, _split, statistics
-from autoddp.in_rank.models.strategy import Strategy
 from autoddp.in_rank.world import placement
+
+#: The strategy's name (``strategy="ddp"``), kept on the class of each model it wraps.
+NAME = "ddp"
 
 #: autoddp's own DDP settings, chosen by measurement (``benchmarks/memory.py``, ``steady_state.py``)
 #: and shown to leave the weights bitwise equal (``tests/test_ddp_defaults.py``); ``ddp=`` wins.
@@ -224,32 +226,24 @@ def _broadcast_from_rank0(module: torch.nn.Module) -> None:
                 t.data.copy_(copy)
 
 
-def wrap_model(
-    module: torch.nn.Module,
-    world: World,
-    *,
-    ddp_kwargs: Mapping[str, Any] | None = None,
-    sync_batchnorm: bool = False,
-    move: bool = True,
-    split_batches: bool = False,
-) -> torch.nn.Module:
+def wrap(module: torch.nn.Module, world: World, options: RunOptions, *, move: bool = True) -> torch.nn.Module:
     """Return ``module`` on this process's device, its gradients synchronised across the world.
 
     With one process the module is moved and given the swapped class only (``no_sync`` is then
     a no-op). A model that is already wrapped (by autoddp or in a DistributedDataParallel) is
     returned unchanged. ``move=False`` (capture) leaves the module where the user put it, and
-    refuses one that sits on another process's GPU. ``split_batches``: BatchNorm layers use the
-    global batch's statistics (``_split``).
+    refuses one that sits on another process's GPU. ``options.split_batches``: BatchNorm layers
+    use the global batch's statistics (``_split``).
     """
     if isinstance(module, torch.nn.parallel.DistributedDataParallel):
         return module
-    if _routing.REPLICA_ATTR in module.__dict__:
+    if distributed(module):
         return module
     module = _class_swap.unwrap_compiled(module)  # torch.compile(model): the real module, still compiled
-    distributed = world.world_size > 1
-    if distributed and split_batches:
+    several, sync_batchnorm = world.world_size > 1, options.sync_batchnorm
+    if several and options.split_batches:
         sync_batchnorm = _split.convert_batchnorms(module) > 0 or sync_batchnorm  # (no hint due)
-    elif distributed and sync_batchnorm:
+    elif several and sync_batchnorm:
         if not world.device.startswith("cuda"):
             raise ConfigurationError(
                 "sync_batchnorm=True needs CUDA devices: torch's SyncBatchNorm does not run on the CPU. "
@@ -260,9 +254,9 @@ def wrap_model(
         module = module.to(world.device)
     elif not move:
         _check_own_gpu(module, world)
-    _routing.swap(module, DDP)
-    CURRENT.track(module, DDP)
-    if not distributed:
+    _routing.swap(module, NAME)
+    CURRENT.track(module, release)
+    if not several:
         return module
     _own_data_parallels(module, world)
     if (
@@ -275,7 +269,7 @@ def wrap_model(
     _watch_parameter_changes()
     if world.device == "cpu":
         hardware.keep_freed_memory()  # else every step may fault its activations in again
-    Replica(module, ddp_kwargs or {}, world.rank)  # (it puts itself beside the module)
+    Replica(module, options.ddp_kwargs or {}, world.rank)  # (it puts itself beside the module)
     return module
 
 
@@ -324,6 +318,11 @@ def building(module: torch.nn.Module) -> bool:
     return replica is not None and getattr(replica, "building", False)
 
 
+def distributed(model: torch.nn.Module) -> bool:
+    """True when autoddp's DDP already distributes ``model`` in the current world."""
+    return _routing.REPLICA_ATTR in model.__dict__
+
+
 def is_wrapped(model: Any) -> bool:
     """True for a module whose gradients autoddp synchronises with a DDP now."""
     return isinstance(model, torch.nn.Module) and _routing.DDP_ATTR in model.__dict__
@@ -342,33 +341,6 @@ def release(model: torch.nn.Module) -> None:
     """
     _routing.unswap(model)
     _split.restore_batchnorms(model)
-
-
-class DDPStrategy(Strategy):
-    """DistributedDataParallel behind the user's own module (class swap, see ``_routing``)."""
-
-    name = "ddp"
-
-    def wrap(
-        self, module: torch.nn.Module, world: World, options: RunOptions, *, move: bool = True
-    ) -> torch.nn.Module:
-        return wrap_model(
-            module,
-            world,
-            ddp_kwargs=options.ddp_kwargs,
-            sync_batchnorm=options.sync_batchnorm,
-            move=move,
-            split_batches=options.split_batches,
-        )
-
-    def distributed(self, model: torch.nn.Module) -> bool:
-        return _routing.REPLICA_ATTR in model.__dict__
-
-    def release(self, model: torch.nn.Module) -> None:
-        release(model)
-
-
-DDP = DDPStrategy()
 
 
 def check_keywords(ddp: Any) -> None:

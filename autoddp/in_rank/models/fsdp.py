@@ -24,8 +24,9 @@ from autoddp.core.environment import hardware
 from autoddp.core.errors import ConfigurationError
 from autoddp.core.state import CURRENT, RunOptions, World
 from autoddp.in_rank.models import _reads, _start
-from autoddp.in_rank.models.strategy import Strategy
 
+#: The strategy's name (``strategy="fsdp"``), kept on the class of each model it shards.
+NAME = "fsdp"
 _SKELETON = "_autoddp_skeleton"
 #: A child holding at least this share of the parameters gets its own unit when nothing repeats.
 _LARGE_CHILD = 0.2
@@ -142,9 +143,7 @@ def _skeleton(module: torch.nn.Module) -> torch.nn.Module | None:
         return None
 
 
-def wrap_model(
-    module: torch.nn.Module, world: World, options: RunOptions, *, move: bool = True
-) -> torch.nn.Module:
+def wrap(module: torch.nn.Module, world: World, options: RunOptions, *, move: bool = True) -> torch.nn.Module:
     """Shard ``module`` across ``world`` with FSDP2; with one process, only move it (and say so)."""
     with _start.outside_meta():
         return _wrap_model(module, world, options, move=move)
@@ -202,15 +201,8 @@ def _wrap_model(module: torch.nn.Module, world: World, options: RunOptions, *, m
     _class_swap.swap_class(module, _sharded_class(type(module)))
     object.__setattr__(module, _SKELETON, skeleton)
     _reads.install()  # w.norm().item() and the like: the full tensor's values, never a shard's
-    CURRENT.track(module, FSDP)
+    CURRENT.track(module, release)
     return module
-
-
-def full_state_dict(model: torch.nn.Module) -> dict[str, Any]:
-    """The full, plain state dict (CPU tensors; only rank 0 gets it, others an empty dict)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def load_full_state_dict(model: torch.nn.Module, state: Mapping[str, Any], strict: bool = True) -> Any:
@@ -281,48 +273,42 @@ def _sharded_class(cls: type) -> type:
         {
             "load_state_dict": _load_state_dict,
             "__deepcopy__": _deepcopy,
-            "_autoddp_strategy": FSDP,
+            "_autoddp_strategy": NAME,
             _class_swap.PLAIN_CLASS: cls,
         },
     )
 
 
-class FSDPStrategy(Strategy):
-    """FSDP2 behind the user's own module (see the module docstring)."""
-
-    name = "fsdp"
-
-    def wrap(
-        self, module: torch.nn.Module, world: World, options: RunOptions, *, move: bool = True
-    ) -> torch.nn.Module:
-        return wrap_model(module, world, options, move=move)
-
-    def distributed(self, model: torch.nn.Module) -> bool:
-        return _SKELETON in model.__dict__
-
-    def release(self, model: torch.nn.Module) -> None:
-        """Sharding stays (FSDP2 cannot be undone); autoddp's own subclass and reads go."""
-        model.__dict__.pop(_SKELETON, None)
-        _reads.uninstall()
-        plain = type(model).__dict__.get(_class_swap.PLAIN_CLASS)
-        if plain is not None:
-            model.__class__ = plain
-
-    def state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
-        return full_state_dict(model)
-
-    def portable(self, model: torch.nn.Module, keep: bool = True) -> torch.nn.Module:
-        """Rank 0: the plain, unsharded model on the CPU (gathered; every rank takes part).
-
-        torch gathers one tensor at a time on the device and copies it to the host on rank 0
-        only, so the other ranks (``keep=False``) hold nothing of it afterwards.
-        """
-        full = full_state_dict(model)
-        skeleton = model.__dict__.get(_SKELETON)
-        if not keep or skeleton is None or CURRENT.world is None or CURRENT.world.rank != 0:
-            return model
-        skeleton.load_state_dict(full, assign=True)
-        return skeleton
+def distributed(model: torch.nn.Module) -> bool:
+    """True when autoddp already shards ``model`` in the current world."""
+    return _SKELETON in model.__dict__
 
 
-FSDP = FSDPStrategy()
+def release(model: torch.nn.Module) -> None:
+    """Sharding stays (FSDP2 cannot be undone); autoddp's own subclass and reads go."""
+    model.__dict__.pop(_SKELETON, None)
+    _reads.uninstall()
+    plain = type(model).__dict__.get(_class_swap.PLAIN_CLASS)
+    if plain is not None:
+        model.__class__ = plain
+
+
+def state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """The full, plain state dict (CPU tensors; only rank 0 gets it, others an empty dict)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def portable(model: torch.nn.Module, keep: bool = True) -> torch.nn.Module:
+    """Rank 0: the plain, unsharded model on the CPU (gathered; every rank takes part).
+
+    torch gathers one tensor at a time on the device and copies it to the host on rank 0
+    only, so the other ranks (``keep=False``) hold nothing of it afterwards.
+    """
+    full = state_dict(model)
+    skeleton = model.__dict__.get(_SKELETON)
+    if not keep or skeleton is None or CURRENT.world is None or CURRENT.world.rank != 0:
+        return model
+    skeleton.load_state_dict(full, assign=True)
+    return skeleton
