@@ -86,6 +86,49 @@ def torchrun_worker(rank: int, world_size: int = 8, local_world_size: int = 4) -
     }
 
 
+def srun_task(
+    rank: int,
+    ntasks: int = 2,
+    nodes: list[str] | None = None,
+    job_id: int = 4242,
+    job_nodelist: str | None = None,
+    **extra: str,
+) -> dict[str, str]:
+    """The SLURM variables srun gives task ``rank`` of a step (block distribution, as srun's default)."""
+    nodes = nodes or ["localhost"]
+    per_node = [ntasks // len(nodes) + (1 if i < ntasks % len(nodes) else 0) for i in range(len(nodes))]
+    node, first = 0, 0
+    while rank >= first + per_node[node]:
+        first += per_node[node]
+        node += 1
+    compact = ",".join(str(n) for n in per_node)
+    nodelist = job_nodelist or ",".join(nodes)
+    return {
+        "SLURM_JOB_ID": str(job_id),
+        "SLURM_JOBID": str(job_id),
+        "SLURM_JOB_NAME": "train",
+        "SLURM_JOB_NODELIST": nodelist,
+        "SLURM_NODELIST": nodelist,
+        "SLURM_JOB_NUM_NODES": str(len(nodes)),
+        "SLURM_NNODES": str(len(nodes)),
+        "SLURM_NTASKS": str(ntasks),
+        "SLURM_NPROCS": str(ntasks),
+        "SLURM_TASKS_PER_NODE": compact,
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEPID": "0",
+        "SLURM_STEP_NODELIST": nodelist,
+        "SLURM_STEP_NUM_NODES": str(len(nodes)),
+        "SLURM_STEP_NUM_TASKS": str(ntasks),
+        "SLURM_STEP_TASKS_PER_NODE": compact,
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank - first),
+        "SLURM_NODEID": str(node),
+        "SLURMD_NODENAME": nodes[node],
+        "SLURM_CPUS_ON_NODE": "8",
+        **extra,
+    }
+
+
 def open_mpi_rank(
     rank: int, size: int = 4, local_size: int = 4, namespace: str = "prterun-host-4711@1", **extra: str
 ) -> dict[str, str]:
