@@ -212,7 +212,7 @@ def test_calls_of_a_module_are_routed_and_left_out_of_pickles():
 def test_inherited_atexit_hooks_can_be_dropped():
     code = (
         "import atexit, os\n"
-        "from autoddp import _compat\n"
+        "from autoddp.core import _compat\n"
         "atexit.register(lambda: print('parent hook', flush=True))\n"
         "_compat.clear_atexit_hooks()\n"
         "atexit.register(lambda: print('own hook', flush=True))\n"
@@ -225,7 +225,7 @@ def test_inherited_atexit_hooks_can_be_dropped():
 def test_atexit_hooks_run_before_a_fast_exit():
     code = (
         "import atexit, os\n"
-        "from autoddp import _compat\n"
+        "from autoddp.core import _compat\n"
         "atexit.register(lambda: print('hook ran', flush=True))\n"
         "_compat.run_atexit_hooks()\n"
         "os._exit(0)\n"

@@ -312,7 +312,8 @@ def test_each_rank_restores_the_callers_cuda_tensors_and_runs_gpu0_habits_on_its
     assert "nn.DataParallel now runs on each process's own GPU only" in result.stderr
 
     imports = (
-        "import json, os\nimport numpy\nimport torch\nfrom torch import nn\nfrom autoddp import _compat\n"
+        "import json, os\nimport numpy\nimport torch\nfrom torch import nn\n"
+        "from autoddp.core import _compat\n"
     )
     write(tmp_path / "train.py", imports + HABITS)
     result = _run(tmp_path, ["-m", "autoddp.cli", "-n", "2", "train.py"], env)
