@@ -5,6 +5,7 @@ from __future__ import annotations
 import _posixsubprocess
 import contextlib
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -139,38 +140,66 @@ def write(path, text: str):
     return path
 
 
-#: Test files that share one resource of the machine (the SLURM cluster and the two network hosts;
-#: the sweep of /dev/shm and the temporary folder): under pytest-xdist (``--dist loadgroup``) each
-#: group runs in one worker, one test after another.
-SERIAL_GROUPS = {"test_clusters_": "clusters", "test_leftovers": "leftovers"}
-
-
-#: The fast part of the suite that CI runs on the lowest and the newest torch (``-m smoke``): the
-#: version seams, both fronts end to end (the demos, the decorator, one process's weights), the
-#: torchrun contract, the data and FSDP paths.
-SMOKE_FILES = frozenset(
-    {
-        "test_compat.py",
-        "test_frames.py",
-        "test_options.py",
-        "test_examples.py",
-        "test_decorator.py",
-        "test_equivalence.py",
-        "test_torchrun_contract.py",
-        "test_fsdp.py",
-        "test_data.py",
-    }
-)
+#: The folder whose tests share one resource of the machine (the SLURM cluster and the two network
+#: hosts): under pytest-xdist (``--dist loadgroup``) they run in one worker, one test after another.
+#: (Another such group, the sweep of /dev/shm and the temporary folder, is marked in its own file:
+#: ``pytestmark`` in core/test_leftovers.py.) The fast part of the suite that CI runs on the lowest
+#: and the newest torch (``-m smoke``) is marked in each of its files the same way.
+CLUSTERS = pathlib.Path(__file__).resolve().parent / "clusters"
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (it names each item by its group)
 def pytest_collection_modifyitems(items):
     for item in items:
-        for prefix, group in SERIAL_GROUPS.items():
-            if item.path.name.startswith(prefix):
-                item.add_marker(pytest.mark.xdist_group(group))
-        if item.path.name in SMOKE_FILES:
-            item.add_marker(pytest.mark.smoke)
+        if CLUSTERS in item.path.parents:
+            item.add_marker(pytest.mark.xdist_group("clusters"))
+
+
+_COUNTED = ("passed", "failed", "skipped")
+
+
+def clusters_summary(reports) -> str | None:
+    """One line on the tests of tests/clusters/ (real SLURM, MPI, two hosts) in ``reports`` (the
+    terminal reporter's, all outcomes): how many passed, failed and skipped, and each skip's reason,
+    so that a run where they could not run never passes unseen; None where none of them ran."""
+    counts: dict[str, int] = {}
+    reasons: dict[str, int] = {}
+    for report in reports:
+        if not report.nodeid.startswith("tests/clusters/") or report.outcome not in _COUNTED:
+            continue
+        if report.outcome == "passed" and report.when != "call":
+            continue
+        word = "errors" if report.when != "call" and report.outcome == "failed" else report.outcome
+        counts[word] = counts.get(word, 0) + 1
+        if report.outcome == "skipped":
+            why = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            why = why.removeprefix("Skipped: ")
+            reasons[why] = reasons.get(why, 0) + 1
+    if not counts:
+        return None
+    words = ("passed", "failed", "errors", "skipped")
+    line = "clusters: " + ", ".join(f"{counts.get(word, 0)} {word}" for word in words)
+    if reasons:
+        line += " (" + "; ".join(f"{n} because {why}" for why, n in sorted(reasons.items())) + ")"
+    return line
+
+
+#: Where the clusters' line is also written (``.ci/run`` prints that file in its very last lines).
+CLUSTERS_SUMMARY_FILE = "CLUSTERS_SUMMARY_FILE"
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Say at the end of a run how many cluster tests ran and why the others skipped."""
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the controller says it once
+        return
+    stats = terminalreporter.stats
+    reports = [report for key in ("passed", "failed", "error", "skipped") for report in stats.get(key, [])]
+    line = clusters_summary(reports)
+    if line is None:
+        return
+    terminalreporter.write_line(line)
+    if os.environ.get(CLUSTERS_SUMMARY_FILE):
+        pathlib.Path(os.environ[CLUSTERS_SUMMARY_FILE]).write_text(line + "\n")
 
 
 def pytest_collection_finish(session):

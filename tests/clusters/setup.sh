@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Real launchers and networks for autoddp's tests (tests/test_clusters_*.py), on one machine:
+# Real launchers and networks for autoddp's tests (tests/clusters/test_clusters_*.py), on one machine:
 #
 #   * a one-node SLURM cluster (Debian's slurm-wlm and munge): this machine's host name as both
 #     controller and node, root as SlurmUser, proctrack/linuxproc, task/none, select/cons_tres;
@@ -49,11 +49,15 @@ install_missing() {
   fi
   say "installing ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
-  timeout 300 apt-get update -qq >/dev/null 2>&1 || say "apt-get update failed (installing from the lists present)"
-  if ! timeout 600 apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null 2>&1; then
+  # apt runs gpgv (and the downloads) as its sandbox user _apt; on some machines of this kind _apt
+  # cannot run it, and `apt-get update` refuses Debian's lists as unsigned although gpgv is
+  # installed. This script runs as root anyway: apt keeps root for those steps.
+  local apt=(apt-get -o APT::Sandbox::User=root)
+  timeout 300 "${apt[@]}" update -qq >/dev/null 2>&1 || say "apt-get update failed (installing from the lists present)"
+  if ! timeout 600 "${apt[@]}" install -y -qq --no-install-recommends "${missing[@]}" >/dev/null 2>&1; then
     # One by one, so that what can be installed is (MPICH beside Open MPI, say).
     for pkg in "${missing[@]}"; do
-      timeout 300 apt-get install -y -qq --no-install-recommends "$pkg" >/dev/null 2>&1 \
+      timeout 300 "${apt[@]}" install -y -qq --no-install-recommends "$pkg" >/dev/null 2>&1 \
         || say "could not install $pkg"
     done
   fi

@@ -391,7 +391,7 @@ def test_the_benchmark_runs_and_prints_its_ratios():
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "split_batches.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "split_batches.py"
     tiny = ["--pairs", "1", "--steps", "2", "--batch", "4", "--cpu"]
     result = subprocess.run([sys.executable, str(script), *tiny], capture_output=True, text=True, timeout=100)
     assert result.returncode == 0, result.stderr

@@ -17,6 +17,8 @@ import autoddp
 from autoddp import ConfigurationError, SerializationError, WorkerError
 from conftest import run_python
 
+pytestmark = pytest.mark.smoke  # CI runs these on the lowest and the newest torch too (-m smoke)
+
 METHODS = ["fork", "spawn"]
 
 

@@ -194,7 +194,7 @@ def test_accelerate_loop_gives_torchruns_weights(tmp_path, accelerator):
 
 @pytest.mark.unit
 def test_ci_installs_the_frameworks_and_keeps_its_torch():
-    root = pathlib.Path(__file__).resolve().parent.parent
+    root = pathlib.Path(__file__).resolve().parents[2]
     after = (root / "setup.cfg").read_text().partition("\nframeworks =\n")[2].splitlines()
     extra = itertools.takewhile(lambda line: line.startswith(" "), after)
     names = {line.strip().split(">")[0] for line in extra}

@@ -25,6 +25,8 @@ from autoddp.core._compat import gloo_lines
 from autoddp.core.errors import TorchCompatibilityError
 from conftest import run_python
 
+pytestmark = pytest.mark.smoke  # CI runs these on the lowest and the newest torch too (-m smoke)
+
 
 @pytest.mark.unit
 def test_a_missing_internal_is_a_loud_error_naming_it():
@@ -112,7 +114,7 @@ def test_default_store_is_the_groups_key_value_store():
 
 @pytest.mark.unit
 def test_ddp_buffer_broadcast_is_still_a_torch_distributed_function():
-    # tests/test_rank0.py shows DDP's forward reaching it (refused inside a rank0() body).
+    # tests/in_rank/test_rank0.py shows DDP's forward reaching it (refused inside a rank0() body).
     assert _compat.ddp_buffer_broadcast() is getattr(dist, _compat.DDP_BUFFER_BROADCAST)
     assert callable(_compat.ddp_buffer_broadcast())
 
@@ -360,7 +362,7 @@ def test_the_supported_range_starts_at_the_floor_and_says_what_each_range_lacks(
 
     from autoddp.cli import main
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with open(os.path.join(root, "setup.cfg")) as file:
         assert "torch>=2.4\n" in file.read() and _compat.releases.SUPPORTED[0][0] == (2, 4)
     with open(os.path.join(root, "README.md")) as file:
@@ -487,8 +489,8 @@ def test_torchrun_gives_the_signals_variable_from_its_release():
 
     from torch.distributed.launcher import api
 
-    # (tests/test_torchrun_contract.py compares the variables themselves; GLOO_LAZY_INIT's line is
-    # checked by tests/test_gpu_group.py, through the connections a lazy group holds)
+    # (tests/launch/test_torchrun_contract.py compares the variables themselves; GLOO_LAZY_INIT's line is
+    # checked by tests/in_rank/test_gpu_group.py, through the connections a lazy group holds)
     given = "TORCHELASTIC_SIGNALS_TO_HANDLE" in inspect.getsource(api)
     assert given == _compat.releases.torch_at_least(_compat.releases.TORCHRUN_SIGNALS)
 

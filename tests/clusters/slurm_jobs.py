@@ -15,7 +15,7 @@ import subprocess
 import time
 
 import pytest
-from cluster_tools import SETUP, run
+from helpers import SETUP, run
 
 #: Unique to this test session: the tests' jobs, and only they, carry it.
 JOB_NAME = f"autoddp-tests-{os.getpid()}-{secrets.token_hex(3)}"

@@ -10,7 +10,9 @@ import pytest
 
 from conftest import run_python
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.smoke  # CI runs these on the lowest and the newest torch too (-m smoke)
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 

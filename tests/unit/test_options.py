@@ -14,7 +14,7 @@ import autoddp
 from autoddp import options
 from autoddp.cli import main
 
-pytestmark = pytest.mark.unit  # every test here starts no process
+pytestmark = [pytest.mark.unit, pytest.mark.smoke]  # every test here starts no process; smoke: CI's -m smoke
 
 
 def test_the_decorator_the_command_and_the_readme_come_from_one_list():
@@ -33,7 +33,7 @@ def test_the_decorator_the_command_and_the_readme_come_from_one_list():
     helped = CliRunner().invoke(main, ["--help"]).output
     for flag in options.command_flags():
         assert flag.flags[0].split("/")[0] in helped
-    root = pathlib.Path(__file__).parent.parent
+    root = pathlib.Path(__file__).resolve().parents[2]
     for page in ("README.md", "docs/command.md"):
         text = root.joinpath(page).read_text()
         assert options.readme_table() in text, f"{page}'s option table: paste options.readme_table()"

@@ -1,7 +1,7 @@
 """Checks autoddp/in_rank/rank_zero/skip.py on whatever Python runs this file: no torch, no autoddp import.
 
-``python tests/skip_mechanics.py`` prints ``skip mechanics ok on <version>`` and exits 0, or fails
-with an AssertionError naming the case. tests/test_rank0.py runs it with every Python it finds.
+``python tests/in_rank/skip_mechanics.py`` prints ``skip mechanics ok on <version>`` and exits 0, or fails
+with an AssertionError naming the case. tests/in_rank/test_rank0.py runs it with every Python it finds.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 import textwrap
 import threading
 
-_PATH = pathlib.Path(__file__).resolve().parent.parent / "autoddp" / "rank_zero" / "skip.py"
+_PATH = pathlib.Path(__file__).resolve().parents[2] / "autoddp" / "in_rank" / "rank_zero" / "skip.py"
 _spec = importlib.util.spec_from_file_location("autoddp_skip_under_test", _PATH)
 skip = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(skip)

@@ -27,7 +27,7 @@ from autoddp.in_rank.capture.devices import Devices
 from autoddp.in_rank.world import placement
 from conftest import write
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: What the workers load first: two fake GPUs, and a record of what torch was asked to do with them.
 SITECUSTOMIZE = """

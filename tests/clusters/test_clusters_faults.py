@@ -1,4 +1,4 @@
-"""Faults on two hosts for real (the network namespaces of tests/test_clusters_hosts.py): a node that
+"""Faults on two hosts for real (the network namespaces of tests/clusters/test_clusters_hosts.py): a node that
 never starts, an exception on node 1, a worker of node 1 that fails once with restarts allowed, a
 node stopped or cut off. None of them leaves anything behind in /dev/shm or the temporary folder."""
 
@@ -12,7 +12,7 @@ import subprocess
 import time
 
 import pytest
-from cluster_tools import HOSTS
+from helpers import HOSTS
 from test_clusters_hosts import _port, _start, hosts  # noqa: F401 - the fixture, used by name
 
 from autoddp.core import _leftovers

@@ -12,7 +12,7 @@ import autoddp
 
 pytestmark = pytest.mark.unit  # every test here starts no process
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 MAX_README_LINES = 300
 

@@ -30,6 +30,8 @@ from autoddp.in_rank.data.gather import gather
 from autoddp.in_rank.data.loaders import shard_loader
 from autoddp.in_rank.world import current
 
+pytestmark = pytest.mark.smoke  # CI runs these on the lowest and the newest torch too (-m smoke)
+
 
 class Indices(Dataset):
     """Item i is i; ``marker`` shows whether worker_init_fn ran in the DataLoader worker."""

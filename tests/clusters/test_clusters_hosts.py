@@ -15,7 +15,7 @@ import subprocess
 import time
 
 import pytest
-from cluster_tools import HOSTS, SETUP, child_env, need_root, results, scripts, speaking
+from helpers import HOSTS, SETUP, child_env, need_root, results, scripts, speaking
 
 pytestmark = pytest.mark.timeout(150)
 

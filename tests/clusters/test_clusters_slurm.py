@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import slurm_jobs
-from cluster_tools import need_programs, results, scripts
+from helpers import need_programs, results, scripts
 from slurm_jobs import run_job
 
 pytestmark = pytest.mark.timeout(180)

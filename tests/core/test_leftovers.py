@@ -18,6 +18,8 @@ from helpers import gone
 from autoddp.core import _leftovers
 from conftest import write
 
+pytestmark = pytest.mark.xdist_group("leftovers")  # sweeps /dev/shm and the temporary folder: one worker
+
 SLEEPER = """
     import os, pathlib, sys, time
     pathlib.Path(sys.argv[1], f"ready-{os.environ['RANK']}").write_text(str(os.getpid()))

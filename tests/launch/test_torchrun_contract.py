@@ -26,7 +26,7 @@ from autoddp.core import _compat
 from autoddp.launch import contract
 from conftest import run_python, write
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.smoke]  # smoke: CI's -m smoke
 
 #: Values that differ by nature between two runs: where the store is, the run's id, the error file.
 PER_RUN = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
@@ -148,7 +148,7 @@ def test_every_torchrun_flag_is_taken_or_refused_in_one_line():
     from torch.distributed.run import get_args_parser
 
     ours = {opt for param in main.params for opt in param.opts + param.secondary_opts}
-    page = pathlib.Path(__file__).parent.parent.joinpath("docs", "command.md").read_text()
+    page = pathlib.Path(__file__).resolve().parents[2].joinpath("docs", "command.md").read_text()
     table = page.partition("| torchrun flag | under `autoddp` |")[2].partition("\n\n")[0]
     assert table, "docs/command.md has no torchrun table"
     runner = CliRunner()

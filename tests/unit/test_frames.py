@@ -17,7 +17,7 @@ import torch
 import autoddp
 from autoddp.core import _frames, _warn
 
-pytestmark = pytest.mark.unit  # every test here starts no process
+pytestmark = [pytest.mark.unit, pytest.mark.smoke]  # every test here starts no process; smoke: CI's -m smoke
 
 PACKAGE = pathlib.Path(autoddp.__file__).resolve().parent
 TORCH_FILE = torch.nn.modules.module.__file__

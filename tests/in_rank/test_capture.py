@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from patch_inspection import inspected, reports
+from helpers import inspected, reports
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from cluster_tools import need_programs, results, run, scripts
+from helpers import need_programs, results, run, scripts
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,8 +14,7 @@ import os
 
 import pytest
 import torch
-from helpers import fork_or_skip, free_port
-from patch_inspection import defining_value, inspected, reports, signature_faults
+from helpers import defining_value, fork_or_skip, free_port, inspected, reports, signature_faults
 
 import autoddp
 from autoddp.core import _patches
@@ -263,7 +262,7 @@ import torch
 import autoddp
 from autoddp.core import _compat, _patches
 from autoddp.core._compat import names
-from patch_inspection import defining_value, signature_faults
+from helpers import defining_value, signature_faults
 
 seen = {{}}
 
@@ -317,7 +316,8 @@ with open(f"{{sys.argv[1]}}{{os.environ['RANK']}}.json", "w") as file:
 
 @pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=needs_fsdp)])
 def test_every_wrapper_takes_the_call_as_the_original_does(tmp_path, strategy):
-    script = write(tmp_path / "signatures.py", SIGNATURES.format(tests=os.path.dirname(__file__)))
+    tests = os.path.dirname(os.path.dirname(__file__))  # helpers.py, at the top of tests/
+    script = write(tmp_path / "signatures.py", SIGNATURES.format(tests=tests))
     out = tmp_path / "report"
     run = run_python(
         ["-m", "autoddp.cli", "-n", "2", "--strategy", strategy, str(script), str(out), strategy]

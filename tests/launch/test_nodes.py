@@ -8,8 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from cluster_tools import speaking
-from helpers import free_port
+from helpers import free_port, speaking
 
 from autoddp import ConfigurationError
 from autoddp.launch import plan as nodes

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import autoddp
+
+pytestmark = pytest.mark.smoke  # CI runs these on the lowest and the newest torch too (-m smoke)
 
 N, B, EPOCHS, LR = 40, 4, 3, 0.05
 

@@ -1,22 +1,15 @@
-"""Where-am-I detection: each launcher's variables as it sets them, then real in-place worlds."""
+"""Where-am-I detection: each launcher's variables as it sets them (the real in-place worlds:
+tests/core/test_environment.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-import random
-import socket
-import subprocess
-import sys
 import time
 import types
-import uuid
 
 import pytest
-from helpers import open_mpi_rank, torchrun_worker
+from helpers import open_mpi_rank, srun_task, torchrun_worker
 
 from autoddp import ConfigurationError
-from autoddp.command.report import describe
 from autoddp.core import environment
 from autoddp.core.environment import (
     MPICH,
@@ -36,7 +29,8 @@ from autoddp.core.environment import (
     slurm_port,
 )
 from autoddp.core.environment._hostlist import hosts
-from conftest import LAUNCHER_NAMES, LAUNCHER_PREFIXES, run_python, write
+
+pytestmark = pytest.mark.unit  # every test here starts no process
 
 
 def _read_only(env: dict[str, str]) -> types.MappingProxyType:
@@ -46,49 +40,6 @@ def _read_only(env: dict[str, str]) -> types.MappingProxyType:
 
 def found(env: dict[str, str]) -> environment.Environment:
     return detect(_read_only(env))
-
-
-def srun_task(
-    rank: int,
-    ntasks: int = 2,
-    nodes: list[str] | None = None,
-    job_id: int = 4242,
-    job_nodelist: str | None = None,
-    **extra: str,
-) -> dict[str, str]:
-    """The SLURM variables srun gives task ``rank`` of a step (block distribution, as srun's default)."""
-    nodes = nodes or ["localhost"]
-    per_node = [ntasks // len(nodes) + (1 if i < ntasks % len(nodes) else 0) for i in range(len(nodes))]
-    node, first = 0, 0
-    while rank >= first + per_node[node]:
-        first += per_node[node]
-        node += 1
-    compact = ",".join(str(n) for n in per_node)
-    nodelist = job_nodelist or ",".join(nodes)
-    return {
-        "SLURM_JOB_ID": str(job_id),
-        "SLURM_JOBID": str(job_id),
-        "SLURM_JOB_NAME": "train",
-        "SLURM_JOB_NODELIST": nodelist,
-        "SLURM_NODELIST": nodelist,
-        "SLURM_JOB_NUM_NODES": str(len(nodes)),
-        "SLURM_NNODES": str(len(nodes)),
-        "SLURM_NTASKS": str(ntasks),
-        "SLURM_NPROCS": str(ntasks),
-        "SLURM_TASKS_PER_NODE": compact,
-        "SLURM_STEP_ID": "0",
-        "SLURM_STEPID": "0",
-        "SLURM_STEP_NODELIST": nodelist,
-        "SLURM_STEP_NUM_NODES": str(len(nodes)),
-        "SLURM_STEP_NUM_TASKS": str(ntasks),
-        "SLURM_STEP_TASKS_PER_NODE": compact,
-        "SLURM_PROCID": str(rank),
-        "SLURM_LOCALID": str(rank - first),
-        "SLURM_NODEID": str(node),
-        "SLURMD_NODENAME": nodes[node],
-        "SLURM_CPUS_ON_NODE": "8",
-        **extra,
-    }
 
 
 def salloc_shell(ntasks: int = 4, job_id: int = 777) -> dict[str, str]:
@@ -121,7 +72,6 @@ def hydra_rank(rank: int, size: int = 4, local_size: int = 4, **extra: str) -> d
 # -- SLURM -----------------------------------------------------------------------------------
 
 
-@pytest.mark.unit
 def test_slurm_multitask_step_over_two_nodes():
     env = found(srun_task(3, ntasks=4, nodes=["gpu07", "gpu08"], job_id=1234567, job_nodelist="gpu[07-08]"))
     assert isinstance(env, SlurmStep) and env.launched
@@ -136,7 +86,6 @@ def test_slurm_multitask_step_over_two_nodes():
     )
 
 
-@pytest.mark.unit
 def test_slurm_uneven_tasks_per_node():
     # 5 tasks on 2 nodes: srun writes SLURM_STEP_TASKS_PER_NODE=3,1 -> here "3,2" (block layout)
     env = found(srun_task(4, ntasks=5, nodes=["a1", "a2"]))
@@ -148,14 +97,12 @@ def test_slurm_uneven_tasks_per_node():
     assert compact.world().local_world_size == 2
 
 
-@pytest.mark.unit
 def test_every_task_of_a_step_agrees_on_rank_zero():
     worlds = [found(srun_task(r, ntasks=4, nodes=["n1", "n2"], job_id=98765)).world() for r in range(4)]
     assert {(w.master_addr, w.master_port, w.world_size) for w in worlds} == {("n1", 28765, 4)}
     assert sorted(w.rank for w in worlds) == [0, 1, 2, 3]
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize(
     "env, why",
     [
@@ -183,13 +130,11 @@ def test_slurm_allocation_without_a_multitask_step_is_not_launched(env, why):
     assert "Not a multi-task step" in explanation and "starts its own workers" in explanation
 
 
-@pytest.mark.unit
 def test_salloc_with_many_tasks_says_how_to_use_them():
     explanation = found(salloc_shell(ntasks=4)).explain()
     assert "SLURM_NTASKS=4" in explanation and "only srun starts them" in explanation
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize(
     "text, expected",
     [
@@ -208,21 +153,18 @@ def test_hostlist_expansion(text, expected):
     assert first_host(text) == expected[0]
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("text", ["node[01-03", "node]1", "node[a-b]", "node[3-1]", "node[]", "", " , "])
 def test_bad_hostlist_names_the_fix(text):
     with pytest.raises(ConfigurationError, match="MASTER_ADDR"):
         first_host(text)
 
 
-@pytest.mark.unit
 def test_first_host_does_not_expand_the_whole_list():
     start = time.monotonic()
     assert first_host("n[0-999999999],m1") == "n0"
     assert time.monotonic() - start < 1
 
 
-@pytest.mark.unit
 def test_port_from_job_id_is_stable_and_in_range():
     assert slurm_port("1234567") == 24567 == slurm_port("1234567")
     ports = [slurm_port(str(job)) for job in range(5_000_000, 5_010_000)]
@@ -233,7 +175,6 @@ def test_port_from_job_id_is_stable_and_in_range():
         slurm_port("12_3")
 
 
-@pytest.mark.unit
 def test_shared_port_is_stable_and_in_range():
     keys = [f"prterun-host-{n}@1" for n in range(2000)]
     ports = [shared_port(key) for key in keys]
@@ -242,7 +183,6 @@ def test_shared_port_is_stable_and_in_range():
     assert len(set(ports)) > 1800
 
 
-@pytest.mark.unit
 def test_master_addr_and_port_override_slurm():
     env = found(srun_task(1, ntasks=2, MASTER_ADDR="10.0.0.5", MASTER_PORT="31000"))
     assert isinstance(env, SlurmStep)
@@ -254,7 +194,6 @@ def test_master_addr_and_port_override_slurm():
             found(srun_task(1, ntasks=2, MASTER_PORT=bad)).world()
 
 
-@pytest.mark.unit
 def test_slurm_step_without_job_id_or_nodelist_names_the_fix():
     env = srun_task(0, ntasks=2)
     for name in ("SLURM_JOB_ID", "SLURM_JOBID"):
@@ -268,7 +207,6 @@ def test_slurm_step_without_job_id_or_nodelist_names_the_fix():
         found(env).world()
 
 
-@pytest.mark.unit
 def test_impossible_slurm_task_ids_are_refused():
     with pytest.raises(ConfigurationError, match="start the job with srun"):
         found({**srun_task(1, ntasks=2), "SLURM_PROCID": "5"}).world()
@@ -277,7 +215,6 @@ def test_impossible_slurm_task_ids_are_refused():
 # -- MPI -------------------------------------------------------------------------------------
 
 
-@pytest.mark.unit
 def test_open_mpi_on_one_node_uses_loopback_and_a_shared_port():
     worlds = [found(open_mpi_rank(r)) for r in range(4)]
     assert all(isinstance(env, OpenMPI) and env.launched for env in worlds)
@@ -289,7 +226,6 @@ def test_open_mpi_on_one_node_uses_loopback_and_a_shared_port():
     assert "crc32(PMIX_NAMESPACE)" in worlds[0].explain()
 
 
-@pytest.mark.unit
 def test_open_mpi_4_job_id_also_gives_a_port():
     env = open_mpi_rank(1, size=2, local_size=2)
     del env["PMIX_NAMESPACE"]
@@ -297,7 +233,6 @@ def test_open_mpi_4_job_id_also_gives_a_port():
     assert found(env).world().master_port == shared_port(env["OMPI_MCA_orte_hnp_uri"])
 
 
-@pytest.mark.unit
 def test_mpich_and_intel_mpi():
     env = found(hydra_rank(1, size=2, local_size=2, PMI_PORT="host1:41234"))
     assert isinstance(env, MPICH) and env.launched
@@ -310,7 +245,6 @@ def test_mpich_and_intel_mpi():
     assert (fixed.master_addr, fixed.master_port) == ("127.0.0.1", 29777)
 
 
-@pytest.mark.unit
 def test_mpi_over_several_nodes_needs_master_addr():
     with pytest.raises(ConfigurationError, match=r"MASTER_ADDR.*mpirun -x MASTER_ADDR=") as info:
         found(open_mpi_rank(5, size=8, local_size=4)).world()
@@ -323,13 +257,11 @@ def test_mpi_over_several_nodes_needs_master_addr():
     assert world.master_port == shared_port("prterun-host-4711@1")  # the namespace is job-wide
 
 
-@pytest.mark.unit
 def test_pmi_without_local_ranks_names_the_fix():
     with pytest.raises(ConfigurationError, match="MPI_LOCALRANKID"):
         found({"PMI_RANK": "1", "PMI_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}).world()
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("env", [open_mpi_rank(0, size=1, local_size=1), hydra_rank(0, size=1, local_size=1)])
 def test_mpi_world_of_one_process_is_plain(env):
     found_env = found(env)
@@ -337,7 +269,6 @@ def test_mpi_world_of_one_process_is_plain(env):
     assert "MPI world of one process" in found_env.explain()
 
 
-@pytest.mark.unit
 def test_mpirun_inside_a_slurm_allocation_is_mpi():
     # mpirun started its daemons with srun (one task per node); the ranks inherit that step's variables
     daemons = srun_task(1, ntasks=2, nodes=["n1", "n2"])
@@ -347,7 +278,6 @@ def test_mpirun_inside_a_slurm_allocation_is_mpi():
     assert "SLURM variables describe the step that started the MPI daemons" in env.explain()
 
 
-@pytest.mark.unit
 def test_srun_direct_mpi_launch_is_slurm():
     # srun --mpi=pmi2: PMI variables describe the same world; SLURM's node list gives the address
     env = found({**srun_task(1, ntasks=2, nodes=["n1", "n2"]), **hydra_rank(1, size=2, local_size=1)})
@@ -358,7 +288,6 @@ def test_srun_direct_mpi_launch_is_slurm():
 # -- torchrun, autoddp, operators, wrappers ----------------------------------------------------
 
 
-@pytest.mark.unit
 def test_torchrun_inside_srun_is_torchrun():
     env = found({**srun_task(1, ntasks=2, nodes=["node01", "node02"]), **torchrun_worker(5)})
     assert isinstance(env, TorchElastic) and env.launched
@@ -368,7 +297,6 @@ def test_torchrun_inside_srun_is_torchrun():
     assert "inside a SLURM step" in env.explain()
 
 
-@pytest.mark.unit
 def test_autoddp_worker_inside_a_slurm_allocation():
     worker = {
         "AUTODDP_RUN_ID": "abc",
@@ -384,7 +312,6 @@ def test_autoddp_worker_inside_a_slurm_allocation():
     assert "operating system picked" in env.port_policy()
 
 
-@pytest.mark.unit
 def test_kubeflow_pytorchjob_replica():
     pod = {
         "MASTER_ADDR": "mnist-master-0",
@@ -405,7 +332,6 @@ def test_kubeflow_pytorchjob_replica():
     assert (script.local_rank, script.local_world_size) == (1, 2)
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize(
     "env, message",
     [
@@ -419,7 +345,6 @@ def test_half_set_rank_variables_are_refused(env, message):
         found(env)
 
 
-@pytest.mark.unit
 def test_rank_set_by_a_wrapper_in_a_slurm_step():
     same = found({**srun_task(1, ntasks=2), "RANK": "1", "WORLD_SIZE": "2"})
     assert isinstance(same, SlurmStep) and same.world().master_addr == "localhost"
@@ -433,7 +358,6 @@ def test_rank_set_by_a_wrapper_in_a_slurm_step():
     assert "a launcher inside it set RANK/WORLD_SIZE" in inner.explain()
 
 
-@pytest.mark.unit
 def test_plain_process():
     env = found({"HOME": "/root", "CUDA_VISIBLE_DEVICES": "0,1"})
     assert isinstance(env, Plain) and not env.launched
@@ -441,7 +365,6 @@ def test_plain_process():
     assert "no launcher variables set" in env.explain()
 
 
-@pytest.mark.unit
 def test_gpu_assignment_and_idle_gpus(monkeypatch):
     monkeypatch.setattr(hardware, "gpu_count", lambda: 1)  # --gpus-per-task=1: each task sees one GPU
     assert found(srun_task(3, ntasks=4)).world().device == "cuda:0"
@@ -450,173 +373,3 @@ def test_gpu_assignment_and_idle_gpus(monkeypatch):
     monkeypatch.setattr(hardware, "gpu_count", lambda: 8)  # one task per node on an 8-GPU node
     explanation = found(srun_task(1, ntasks=2, nodes=["n1", "n2"])).explain()
     assert "7 GPU(s) stay idle" in explanation and "--ntasks-per-node=8" in explanation
-
-
-def test_detection_never_writes_the_environment():
-    before = dict(os.environ)
-    detect()
-    describe(name_gpus=False)
-    describe({**srun_task(0, ntasks=2)}, name_gpus=False)
-    assert dict(os.environ) == before
-
-
-# -- the report ------------------------------------------------------------------------------
-
-
-def plain_environ() -> dict[str, str]:
-    return {
-        k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_NAMES
-    }
-
-
-def flat(text: str) -> str:
-    """The report with its line wrapping undone."""
-    return " ".join(text.split())
-
-
-def test_report_in_a_plain_process():
-    text = describe(plain_environ(), name_gpus=False)  # this test process keeps CUDA untouched
-    labels = {line.split()[0] for line in text.splitlines()[1:] if line[:1].strip() or line[2:3].strip()}
-    assert {"python", "torch", "CUDA", "NCCL", "GPUs", "environment", "backend", "start", "port"} <= labels
-    gpus = hardware.gpu_count()
-    assert ("GPUs none" if gpus == 0 else f"GPUs {gpus} (names not read") in flat(text)
-    assert "environment plain process; @distributed starts its own workers" in flat(text)
-    assert "why no launcher variables set" in flat(text)
-    assert "free port the operating system picks" in flat(text)
-    assert "start method fork" in flat(text) or "start method spawn" in flat(text)
-
-
-def test_report_under_slurm_names_the_step_and_why():
-    text = flat(describe({**plain_environ(), **srun_task(1, ntasks=2, job_id=31337)}, name_gpus=False))
-    assert "environment SLURM step (srun); launched: @distributed runs in place" in text
-    assert "why SLURM_PROCID=1" in text and "SLURM_STEP_NUM_TASKS=2" in text
-    assert "rank 1 of 2" in text and "rank 0 at localhost:21337" in text
-    assert "port policy 21337 (20000 + SLURM_JOB_ID % 10000)" in text
-
-
-@pytest.mark.parametrize(
-    "env", [{"RANK": "1"}, {"RANK": "x", "WORLD_SIZE": "2"}, open_mpi_rank(5, size=8, local_size=4)]
-)
-def test_report_never_raises(env):
-    text = describe({**plain_environ(), **env}, name_gpus=False)
-    assert "broken" in text.lower()
-
-
-# -- real processes: the launcher's variables, no launcher -------------------------------------
-
-IN_PLACE = """
-    import json, os
-    import psutil, torch, torch.distributed as dist
-    import autoddp
-    from autoddp.core import environment
-
-    @autoddp.distributed(backend="gloo", timeout=30)  # gloo: the same world with or without GPUs
-    def train():
-        t = torch.tensor([float(autoddp.rank() + 1)])
-        dist.all_reduce(t)
-        return {"pid": os.getpid(), "rank": autoddp.rank(), "world": autoddp.world_size(),
-                "sum": t.item(), "children": len(psutil.Process().children(recursive=True))}
-
-    env = environment.detect()
-    print(json.dumps({**train(), "main_pid": os.getpid(), "env": env.name}), flush=True)
-"""
-
-
-def _child_env(variables: dict[str, str]) -> dict[str, str]:
-    return {**plain_environ(), "OMP_NUM_THREADS": "1", **variables}
-
-
-def _run_together(script, envs: list[dict[str, str]], timeout: float = 60) -> list[dict]:
-    """Start one plain ``python script`` per environment at once, as a launcher would; their results."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for env in envs
-    ]
-    try:
-        outputs = [proc.communicate(timeout=timeout) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    for proc, (_, err) in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, err[-3000:]
-    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
-
-
-def _free_derived_port(candidates) -> tuple[int, object]:
-    """The first candidate whose derived port is free here now (parallel test runs use others)."""
-    for candidate, port in candidates:
-        with socket.socket() as probe:
-            try:
-                probe.bind(("", port))
-            except OSError:
-                continue
-        return port, candidate
-    raise AssertionError("no free port in the derived range")  # pragma: no cover
-
-
-def _check_in_place(results: list[dict], name: str) -> None:
-    assert [r["rank"] for r in results] == [0, 1]
-    for result in results:
-        assert result["env"] == name
-        assert result["world"] == 2 and result["sum"] == 3.0  # 1 + 2: both processes took part
-        assert result["pid"] == result["main_pid"]  # ran in place
-        assert result["children"] == 0  # and started no process
-
-
-def test_two_srun_tasks_form_a_world_in_place(tmp_path):
-    jobs = (
-        (job, slurm_port(str(job)))
-        for job in (random.randrange(1, 9999) * PORT_SPAN + n for n in range(9999))
-    )
-    _, job_id = _free_derived_port(random.sample(list(jobs), 200))
-    script = write(tmp_path / "train.py", IN_PLACE)
-    envs = [_child_env(srun_task(rank, ntasks=2, job_id=job_id)) for rank in (0, 1)]
-    _check_in_place(_run_together(script, envs), SlurmStep.name)
-
-
-def test_two_open_mpi_ranks_form_a_world_in_place(tmp_path):
-    spaces = (f"prterun-test-{uuid.uuid4().hex}@1" for _ in range(200))
-    _, namespace = _free_derived_port((space, shared_port(space)) for space in spaces)
-    script = write(tmp_path / "train.py", IN_PLACE)
-    envs = [_child_env(open_mpi_rank(rank, size=2, local_size=2, namespace=namespace)) for rank in (0, 1)]
-    _check_in_place(_run_together(script, envs), OpenMPI.name)
-
-
-SINGLE_TASK = """
-    import json, os
-    import autoddp
-    from autoddp.command.report import describe
-
-    @autoddp.distributed(backend="gloo")  # one CPU process unless told otherwise, GPUs or not
-    def alone():
-        return os.getpid(), autoddp.world_size()
-
-    @autoddp.distributed(nproc=2, backend="gloo")
-    def pair():
-        return os.getpid(), autoddp.world_size()
-
-    result = {"main": os.getpid(), "alone": alone(), "pair": pair(), "report": describe()}
-    print(json.dumps(result), flush=True)
-"""
-
-
-def test_single_task_allocation_runs_as_one_process(tmp_path, monkeypatch):
-    for name in list(os.environ):
-        if name.startswith(LAUNCHER_PREFIXES) or name in LAUNCHER_NAMES:
-            monkeypatch.delenv(name)
-    for name, value in srun_task(0, ntasks=1, job_id=55).items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    script = write(tmp_path / "single.py", SINGLE_TASK)
-    proc = run_python([str(script)], cwd=tmp_path, timeout=60)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["alone"] == [out["main"], 1]  # in this process, alone
-    pair_pid, pair_world = out["pair"]
-    assert pair_world == 2 and pair_pid != out["main"]  # not launched: autoddp started its own workers
-    assert "environment SLURM allocation, single process" in flat(out["report"])
-    assert "a single-task srun step (SLURM_STEP_NUM_TASKS=1)" in flat(out["report"])

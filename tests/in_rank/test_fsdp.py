@@ -17,6 +17,8 @@ from autoddp import ConfigurationError
 from autoddp.in_rank.models.fsdp import units
 from conftest import FSDP_MISSING, run_python, write
 
+pytestmark = pytest.mark.smoke  # CI runs these on the lowest and the newest torch too (-m smoke)
+
 if FSDP_MISSING:  # (module-level runs below shard models as the module loads)
     pytest.skip(FSDP_MISSING, allow_module_level=True)
 
