@@ -3,7 +3,7 @@
 ``Options`` holds the options of a run. ``@distributed``'s signature is made from its fields, the
 ``autoddp`` command's flags from the same fields (those with flags) plus ``COMMAND_ONLY``, the
 flags that only a command line has, and the option table of README.md and docs/command.md from
-both (``readme_table``; ``tests/test_options.py`` checks all three against this list). Both fronts
+both (``readme_table``; ``tests/unit/test_options.py`` checks all three against this list). Both fronts
 build an ``Options``, so a value is checked by the same rule whichever way it came.
 """
 
@@ -373,7 +373,7 @@ def command_flags() -> list[CommandOnly]:
 
 
 def readme_table() -> str:
-    """The option table of README.md and docs/command.md, made from this list (``tests/test_options.py``
+    """The option table of README.md and docs/command.md, made from this list (``tests/unit/test_options.py``
     compares them)."""
     rows = ["| `@distributed(...)` | `autoddp` flag | default | what it does |", "|---|---|---|---|"]
     for field in dataclasses.fields(Options):

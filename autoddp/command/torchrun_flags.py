@@ -3,7 +3,7 @@
 
 A torchrun command pasted after ``autoddp`` either works as it did under torchrun or stops with one
 line that names the flag as torchrun's and says what autoddp does instead: never a silent no-op,
-never a "did you mean" pointing elsewhere. ``tests/test_cli.py`` checks this table against
+never a "did you mean" pointing elsewhere. ``tests/launch/test_cli.py`` checks this table against
 torchrun's own parser and against the table in docs/command.md.
 """
 

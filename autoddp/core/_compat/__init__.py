@@ -2,7 +2,7 @@
 
 Each function here wraps one internal that has no public equivalent, checks that it is still
 there and raises ``TorchCompatibilityError`` naming it when a torch release changed it: never a
-silent fallback. ``tests/test_compat.py`` exercises each one against the installed torch, so an
+silent fallback. ``tests/core/test_compat.py`` exercises each one against the installed torch, so an
 upgrade that breaks one fails there, loudly, before it can fail a user's run.
 """
 
@@ -325,7 +325,7 @@ def watch_parameter_changes(changed: Any) -> None:
         return set_and_say
 
     def after(method: Any) -> Any:
-        @functools.wraps(method)  # (its __wrapped__: the original, for tests/test_patches.py)
+        @functools.wraps(method)  # (its __wrapped__: the original, for tests/core/test_patches.py)
         def call_and_say(*args: Any, **kwargs: Any) -> Any:
             try:
                 return method(*args, **kwargs)
@@ -387,6 +387,6 @@ def no_line_prefix() -> str:
 
     The agent renders the template per rank only when it is truthy; left unset, its tail writes
     ``[default0]:`` before every line. An empty string that counts as set renders to ``""``
-    (exercised through the agent itself: ``tests/test_nodes.py``, a node with ``--log-dir``).
+    (exercised through the agent itself: ``tests/launch/test_nodes.py``, a node with ``--log-dir``).
     """
     return _EmptyPrefix()

@@ -1,7 +1,7 @@
 """How a loss reduced over its batch, read from its autograd graph (private node attributes).
 
 The nodes of torch's loss functions keep their arguments as ``_saved_*`` attributes: internals
-with no public equivalent, so they live here in ``_compat``; ``tests/test_compat.py`` reads real
+with no public equivalent, so they live here in ``_compat``; ``tests/core/test_compat.py`` reads real
 losses' graphs through them.
 """
 

@@ -1,7 +1,7 @@
 """The list of every private torch (and CPython) name autoddp reaches, and of every torch attribute
 it replaces for the life of a process: the inventory a torch upgrade is checked against.
 
-Only ``autoddp.core._compat`` touches these names (``tests/test_compat.py`` reads the package's source:
+Only ``autoddp.core._compat`` touches these names (``tests/core/test_compat.py`` reads the package's source:
 a private name used anywhere else, or one used here and not listed, fails; so does a listed one
 no longer used). The patch engine (``autoddp.core._patches``) replaces other attributes too, and puts
 each back when its user is done; the ones below stay replaced until the process ends.

@@ -1,7 +1,7 @@
 """The torch releases autoddp knows: where something it relies on changed, and its verdict on each.
 
 ``_compat`` reads these to choose, per release, the one way that works there (never a silent
-fallback); ``autoddp env`` prints the verdict. ``tests/test_compat.py`` checks each line on the
+fallback); ``autoddp env`` prints the verdict. ``tests/core/test_compat.py`` checks each line on the
 side of it that the installed torch is.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-#: Releases that changed what autoddp relies on (tests/test_compat.py checks each line, both sides).
+#: Releases that changed what autoddp relies on (tests/core/test_compat.py checks each line, both sides).
 LIBUV_LISTEN_FD = (2, 8)  # the libuv TCPStore takes a listening socket (pytorch#150215)
 GROUP_FREED_WITHOUT_GIL = (2, 8)  # a ProcessGroup dropped from Python lets go of the GIL (#154976)
 STORE_ERRORS_TYPED = (2, 10)  # DistNetworkError (2.6: RuntimeError; 2.7-2.9 unchecked, its base)

@@ -37,7 +37,7 @@ from autoddp.in_rank.world import placement
 NAME = "ddp"
 
 #: autoddp's own DDP settings, chosen by measurement (``benchmarks/memory.py``, ``steady_state.py``)
-#: and shown to leave the weights bitwise equal (``tests/test_ddp_defaults.py``); ``ddp=`` wins.
+#: and shown to leave the weights bitwise equal (``tests/in_rank/test_ddp_defaults.py``); ``ddp=`` wins.
 #: Gradients that are views into DDP's communication buckets need no copy of their own.
 DEFAULTS: dict[str, Any] = {"gradient_as_bucket_view": True}
 
