@@ -17,12 +17,13 @@ from typing import Any
 
 import click
 
-from autoddp import options
+from autoddp import launch, options
 from autoddp.command import arguments, runs, torchrun_flags
 from autoddp.command.arguments import fail
-from autoddp.core import environment
 from autoddp.core.errors import ConfigurationError
+from autoddp.launch import door
 from autoddp.launch import plan as launch_plan
+from autoddp.launch.request import Script
 
 _CONTEXT = {
     "help_option_names": ["-h", "--help"],
@@ -166,28 +167,18 @@ def main(script: str | None, script_args: tuple[str, ...], **flags: Any) -> None
         )
         store = launch_plan.one_node_store(*given)  # (before the options: it names --rdzv-endpoint)
         settings = _options(flags, count, master)  # (after the plan: it names --rdzv-endpoint)
-        output = settings.output
-        output.shown(count)  # local ranks: the same on one machine and on each of several
+        settings.output.shown(count)  # local ranks: the same on one machine and on each of several
     except ConfigurationError as error:
         fail(arguments.as_flags(str(error)))
-    argv = [*_runner_flags(settings), *(["--module"] if flags["as_module"] else []), script, *script_args]
-    run = runs.Run(
-        count,
-        argv,
-        output,
-        max_restarts=flags["max_restarts"],
-        monitor_interval=flags["monitor_interval"],
-        hang_report=settings.hang_report,
-        role=flags["role"],
-        start_method=settings.start_method,
-        store=store,
+    request = settings.request(
+        nodes=plan, store=store, monitor_interval=flags["monitor_interval"], role=flags["role"]
     )
-    if plan.multi:
-        sys.exit(runs.run_nodes(plan, run))
+    argv = [*_runner_flags(settings), *(["--module"] if flags["as_module"] else []), script, *script_args]
+    target = Script(tuple(argv))
     line = arguments.process_line(nproc, count, script_args)
-    if line and not flags["quiet"] and not environment.detect().launched:
+    if line and not flags["quiet"] and launch.way(request, target) == door.WORKERS:
         click.echo(line, err=True)
-    sys.exit(runs.run_here(run))
+    sys.exit(runs.run(request, target))
 
 
 def _options(flags: dict[str, Any], count: int, master: str | None) -> options.Options:

@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import functools
 import inspect
-import multiprocessing
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
 import wrapt
 
+from autoddp import launch
 from autoddp import options as options_list
-from autoddp.core import _warn, backends, environment
+from autoddp.core import backends
 from autoddp.core.environment import hardware
 from autoddp.core.errors import ConfigurationError
-from autoddp.in_rank._prepare import prepare
-from autoddp.in_rank.worker.running import Job, run_in_world
-from autoddp.in_rank.world import streams
-from autoddp.launch import plan as launch_plan
+from autoddp.in_rank.worker.running import Job
 from autoddp.options import Options
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -122,46 +119,6 @@ def _decorate(fn: Callable[..., Any], options: Options) -> DistributedFunction:
 
 
 def _call(options: Options, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    env = environment.detect()
-    gpus = hardware.gpu_count()
-    backend = backends.resolve_backend(options.backend, gpus)
+    backend = backends.resolve_backend(options.backend, hardware.gpu_count())
     job = Job(wrapped, args, kwargs, backend, backends.as_timeout(options.timeout), options.run_options)
-    if env.launched:
-        world = env.world()
-        if options.nproc is not None and options.nproc != world.local_world_size:
-            _warn.warn(
-                f"{getattr(wrapped, '__qualname__', wrapped)}() asks for nproc={options.nproc} but runs "
-                f"inside an existing world ({env.name}, {world.world_size} processes): it runs in place "
-                "there, without starting new processes."
-            )
-        return run_in_world(job, world, finish=prepare)
-    nproc = options.process_count(backend, gpus)
-    plan = options.nodes
-    if plan.multi or nproc > 1:
-        job.streams = streams.of_caller(keep=options.split_batches)
-        job.start_method = multiprocessing.get_start_method(allow_none=True)
-        job.warning_filters = _warn.filters_to_carry()
-    if plan.multi:
-        from autoddp.launch import nodes  # (the launch machinery loads when it is first needed)
-
-        return nodes.launch_nodes(
-            job,
-            plan=plan,
-            nproc=nproc,
-            max_restarts=options.max_restarts,
-            output=options.output,
-            hang_report=options.hang_report,
-        )
-    if nproc == 1:
-        return run_in_world(job, env.world(), finish=prepare)
-    from autoddp.launch import local
-
-    return local.launch_function(
-        job,
-        nproc=nproc,
-        start_method=options.start_method,
-        store=launch_plan.one_node_store(options.master, None, None),  # (as torchrun's --master-addr)
-        max_restarts=options.max_restarts,
-        output=options.output,
-        hang_report=options.hang_report,
-    )
+    return launch.run(options.request(), job)

@@ -25,6 +25,7 @@ from autoddp.in_rank import models
 from autoddp.in_rank.hang import record as hang_record
 from autoddp.launch import output as launch_output
 from autoddp.launch import plan as launch_plan
+from autoddp.launch import request as launch_request
 from autoddp.launch import start_method as launch_start
 
 
@@ -233,15 +234,15 @@ class Options:
         same.update(ddp_kwargs=dict(self.ddp or {}), fsdp_blocks=tuple(self.fsdp_blocks))
         return RunOptions(**same)
 
-    def process_count(self, backend: backends.Backend, gpus: int) -> int:
-        if self.nproc is None:
-            return gpus if backend.use_cuda else 1
-        if backend.use_cuda and self.nproc > gpus:
-            raise ConfigurationError(
-                f"nproc={self.nproc} but only {gpus} GPU(s) are visible; use nproc<={gpus}, "
-                "or backend='gloo' to run CPU processes"
-            )
-        return self.nproc
+    def request(self, **command: Any) -> launch_request.Request:
+        """What a launch of these options asks for (``autoddp.launch.run``); ``command``: what only the
+        command says (its plan from every rendezvous flag, its store's place, ``--role``...)."""
+        same = {name: getattr(self, name) for name in ("nproc", "output", "max_restarts", "hang_report")}
+        if "nodes" not in command:
+            command["nodes"] = self.nodes
+        if "store" not in command:  # one machine: master= is where its store listens (as --master-addr)
+            command["store"] = launch_plan.one_node_store(self.master, None, None)
+        return launch_request.Request(start_method=self.start_method, **same, **command)
 
 
 def _whole(value: Any) -> Any:

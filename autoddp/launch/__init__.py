@@ -1,9 +1,25 @@
 """Launching: start and supervise workers through torch.distributed.elastic, on one machine or many.
 
-Modules, in dependency order: ``output`` (console routing, messages), ``plan`` (the multi-node
-options), ``start_method`` (fork or fresh interpreters), ``store`` (the loopback rendezvous
-store), ``supervise`` (elastic's multiprocessing, signals), ``failures`` (root-cause triage),
-``local`` (one machine, restarts), ``nodes`` (several machines, elastic's agent), ``in_place``
-(the command inside a launched world). Import the module you need: this package imports nothing,
-so that checking options never loads the launch machinery.
+The one door is ``run(request, target)`` (``door``): both the decorator and the command call it
+with a ``request.Request`` and what runs (a function's ``Job``, or a ``request.Script``); ``way``
+says where it would run. Modules, in dependency order: ``output`` (console routing, messages),
+``plan`` (the multi-node options), ``request`` (what a launch is asked for), ``start_method``
+(fork or fresh interpreters), ``store`` (the loopback rendezvous store), ``supervise`` (elastic's
+multiprocessing, signals), ``failures`` (root-cause triage), ``local`` (one machine, restarts),
+``nodes`` (several machines, elastic's agent), ``in_place`` (a script inside a launched world),
+``door``. This package imports nothing until ``run`` or ``way`` is first used, so that checking
+options never loads the launch machinery.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    """``run`` and ``way``, from ``door`` when first used (PEP 562)."""
+    if name in ("run", "way"):
+        from autoddp.launch import door
+
+        return getattr(door, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

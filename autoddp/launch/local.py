@@ -17,18 +17,19 @@ from typing import Any
 
 from autoddp.core import _variables, _warn
 from autoddp.core._warn import one_line, say
-from autoddp.core.environment import LOOPBACK, preflight
+from autoddp.core.environment import preflight
 from autoddp.core.errors import ConfigurationError, SerializationError, WorkerError
 from autoddp.in_rank.hang import record as hang_record
 from autoddp.in_rank.run_folder import transport
 from autoddp.in_rank.worker import process, stdin
 from autoddp.in_rank.worker.running import Job
 from autoddp.launch import diagnostics, failures
-from autoddp.launch.contract import DEFAULT_ROLE, Contract, worker_envs
+from autoddp.launch.contract import Contract, worker_envs
 from autoddp.launch.exits import Exits
 from autoddp.launch.failures import first_failure
 from autoddp.launch.hang.watch import Watch
 from autoddp.launch.output import Output, announce_exit, show_hidden_output
+from autoddp.launch.request import Request, Script
 from autoddp.launch.start_method import choose_start_method, preload_for_forked_workers
 from autoddp.launch.store import loopback_store
 from autoddp.launch.supervise import POLL_SECONDS, acting_on_signals, supervise
@@ -37,24 +38,17 @@ from autoddp.launch.supervise import POLL_SECONDS, acting_on_signals, supervise
 Workers = Callable[[str], tuple[Any, dict[int, tuple]]]
 
 
-def launch_function(
-    job: Job,
-    *,
-    nproc: int,
-    start_method: str,
-    max_restarts: int = 0,
-    output: Output | None = None,
-    hang_report: float = hang_record.DEFAULT_SECONDS,
-    store: tuple[str, int | None] = (LOOPBACK, None),
-) -> Any:
+def run_function(job: Job, nproc: int, request: Request) -> Any:
     """Run ``job`` in ``nproc`` new workers; return rank 0's result.
 
-    ``store``: the address and port its store listens on (``master=``; no port: a free one).
+    ``request.store``: the address and port its store listens on (``master=``; no port: a free one).
 
-    After a failure the whole group starts again, up to ``max_restarts`` times (not for errors
-    that would only repeat: a bad configuration, something that cannot be pickled). Ranks that
-    wait for others longer than ``hang_report`` seconds are reported (``autoddp.in_rank.hang``; 0: off).
+    After a failure the whole group starts again, up to ``request.max_restarts`` times (not for
+    errors that would only repeat: a bad configuration, something that cannot be pickled). Ranks
+    that wait for others longer than ``request.hang_report`` seconds are reported
+    (``autoddp.in_rank.hang``; 0: off).
     """
+    start_method = request.start_method
     if job.backend.use_cuda:
         preflight.before_workers(nproc)  # GPUs the caller's own CUDA context would deny them
     method, reason = choose_start_method(start_method, job.backend)
@@ -78,35 +72,23 @@ def launch_function(
         def workers(folder: str) -> tuple[Any, dict[int, tuple]]:
             return process.run_job_forked, {r: (job, folder) for r in range(nproc)}
 
-    contract = Contract(nproc, max_restarts=max_restarts, host=store[0])
+    contract = Contract(nproc, max_restarts=request.max_restarts, host=request.store[0])
     with acting_on_signals():
-        return _with_restarts(
-            workers, contract, method, output=output, hang_report=hang_report, port=store[1], returns=True
-        )
+        return _with_restarts(workers, contract, method, request, returns=True)
 
 
-def launch_script(
-    argv: list[str],
-    *,
-    nproc: int,
-    max_restarts: int = 0,
-    poll_seconds: float = POLL_SECONDS,
-    output: Output | None = None,
-    hang_report: float = hang_record.DEFAULT_SECONDS,
-    start_method: str = "auto",
-    role: str = DEFAULT_ROLE,
-    store: tuple[str, int | None] = (LOOPBACK, None),
-) -> None:
+def run_script(script: Script, nproc: int, request: Request) -> None:
     """Run a script (as ``python -m autoddp.in_rank.worker.script ARGV`` would) in ``nproc`` workers.
 
     The ``autoddp`` command's single-node engine: the same supervision, loopback store,
     restarts and hang report as the decorator. Workers are forked from this process, which has imported torch
     already (and what DDP construction imports), where CUDA is untouched; else they start as
-    fresh interpreters (``start_method`` chooses: torchrun's flag). ``store``: the address and port
-    the store listens on (``MASTER_ADDR``/``MASTER_PORT``; no port: a free one). Raises the first
-    failure (the worker printed its traceback).
+    fresh interpreters (``request.start_method`` chooses: torchrun's flag). ``request.store``: the
+    address and port the store listens on (``MASTER_ADDR``/``MASTER_PORT``; no port: a free one).
+    Raises the first failure (the worker printed its traceback).
     """
-    method, _ = choose_start_method(start_method, None)
+    argv = list(script.argv)
+    method, _ = choose_start_method(request.start_method, None)
     if method == "fork":
         # (not at the top: `python -m autoddp.in_rank.worker.script` must find it new)
         from autoddp.in_rank.worker.script import run_script_forked
@@ -121,26 +103,21 @@ def launch_script(
         def workers(folder: str) -> tuple[Any, dict[int, tuple]]:
             return sys.executable, {r: ("-m", "autoddp.in_rank.worker.script", *argv) for r in range(nproc)}
 
-    contract = Contract(nproc, role, max_restarts, store[0])
+    contract = Contract(nproc, request.role, request.max_restarts, request.store[0])
     with acting_on_signals(for_good=True):  # (the command's process: it ends next)
-        _with_restarts(workers, contract, method, poll_seconds, output, hang_report, store[1])
+        _with_restarts(workers, contract, method, request)
 
 
 def _with_restarts(
-    workers: Workers,
-    contract: Contract,
-    method: str,
-    poll_seconds: float = POLL_SECONDS,
-    output: Output | None = None,
-    hang_report: float = hang_record.DEFAULT_SECONDS,
-    port: int | None = None,
-    returns: bool = False,
+    workers: Workers, contract: Contract, method: str, request: Request, returns: bool = False
 ) -> Any:
     """Run attempts until one succeeds or ``contract.max_restarts`` restarts are spent.
 
     ``returns``: rank 0 writes a result (a function's), which a run must not end without.
     """
-    output = output or Output()
+    output = request.output
+    poll_seconds = POLL_SECONDS if request.monitor_interval is None else request.monitor_interval
+    hang_report, port = request.hang_report, request.store[1]
     max_restarts, nproc = contract.max_restarts, contract.nproc
     for attempt in range(max_restarts + 1):
         try:

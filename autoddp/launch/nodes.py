@@ -29,6 +29,7 @@ from autoddp.launch.hang.combine import Exchange
 from autoddp.launch.hang.watch import Watch
 from autoddp.launch.output import Output, announce_exit, show_hidden_output
 from autoddp.launch.plan import Nodes, split_endpoint
+from autoddp.launch.request import Request, Script
 from autoddp.launch.side_gloo import side_gloo_variables
 from autoddp.launch.supervise import (
     Stopped,
@@ -261,15 +262,7 @@ def _worker_environment(nproc: int, variables: Mapping[str, str], own: Mapping[s
                 os.environ[name] = value
 
 
-def launch_nodes(
-    job: Job,
-    *,
-    plan: Nodes,
-    nproc: int,
-    max_restarts: int = 0,
-    output: Output | None = None,
-    hang_report: float = hang_record.DEFAULT_SECONDS,
-) -> Any:
+def run_function(job: Job, nproc: int, request: Request) -> Any:
     """This machine's share of a multi-node run of ``job`` (fresh interpreters, elastic's agent).
 
     Returns rank 0's result on the machine that runs rank 0, None on the others; raises the
@@ -282,15 +275,31 @@ def launch_nodes(
         transport.save_job(folder, payload)
         try:
             with caller_signal_handlers_kept():
-                run_agent(
-                    plan,
-                    nproc,
-                    ["-m", "autoddp.in_rank.worker", folder],
-                    folder=folder,
-                    output=output,
-                    max_restarts=max_restarts,
-                    hang_report=hang_report,
-                )
+                _agent(request, nproc, ["-m", "autoddp.in_rank.worker", folder], folder)
         except SignalException as error:  # the run folder goes first, then the signal is acted on
             raise Stopped(signal.Signals(error.sigval)) from None
         return transport.load_result(folder)
+
+
+def run_script(script: Script, nproc: int, request: Request) -> None:
+    """This machine's share of a multi-node run of a script (``python -m autoddp.in_rank.worker.script
+    ARGV``); raises as ``run_agent`` does (elastic's ``SignalException`` when this launcher is stopped,
+    its ``RendezvousTimeoutError`` when the other machines did not all join)."""
+    with transport.run_folder() as folder:
+        _agent(request, nproc, ["-m", "autoddp.in_rank.worker.script", *script.argv], folder)
+
+
+def _agent(request: Request, nproc: int, args: list[str], folder: str) -> None:
+    """``run_agent`` with the request's settings (its own check interval where the request names none)."""
+    interval = {} if request.monitor_interval is None else {"monitor_interval": request.monitor_interval}
+    run_agent(
+        request.nodes,
+        nproc,
+        args,
+        folder=folder,
+        output=request.output,
+        max_restarts=request.max_restarts,
+        hang_report=request.hang_report,
+        role=request.role,
+        **interval,
+    )

@@ -13,15 +13,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import multiprocessing
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from autoddp.core import _containers, backends
+from autoddp.core import _containers, _warn, backends
 from autoddp.core.state import CURRENT, RunOptions, World
 from autoddp.in_rank import models
-from autoddp.in_rank._prepare import prepare_call
+from autoddp.in_rank._prepare import prepare, prepare_call
 from autoddp.in_rank.hang import marks
 from autoddp.in_rank.run_folder import finished
 from autoddp.in_rank.world import process_group, streams
@@ -48,6 +49,19 @@ class Job:
     @property
     def fn_name(self) -> str:
         return getattr(self.fn, "__qualname__", repr(self.fn))
+
+    def leaving(self) -> None:
+        """Before workers are started for the call: the caller's random streams (its states too
+        with ``split_batches``), ``multiprocessing`` start method and warning filters go with it."""
+        self.streams = streams.of_caller(keep=self.options.split_batches)
+        self.start_method = multiprocessing.get_start_method(allow_none=True)
+        self.warning_filters = _warn.filters_to_carry()
+
+
+def run_in_place(job: Job, world: World) -> Any:
+    """Call ``job`` in this process, in ``world`` (a launcher's, or one process's): the result is
+    the caller's own (``prepare``: models and loaders ready for this process)."""
+    return run_in_world(job, world, finish=prepare)
 
 
 def run_in_world(job: Job, world: World, finish: Callable[[Any], Any]) -> Any:
