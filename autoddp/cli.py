@@ -7,8 +7,6 @@ the decorator builds.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import os
 import sys
@@ -18,12 +16,10 @@ from typing import Any
 import click
 
 from autoddp import launch, options
-from autoddp.command import arguments, runs, torchrun_flags
+from autoddp.command import arguments, flags_launch, runs, torchrun_flags
 from autoddp.command.arguments import fail
-from autoddp.core.errors import ConfigurationError
 from autoddp.launch import door
 from autoddp.launch import plan as launch_plan
-from autoddp.launch.request import Script
 
 _CONTEXT = {
     "help_option_names": ["-h", "--help"],
@@ -128,16 +124,7 @@ def main(script: str | None, script_args: tuple[str, ...], **flags: Any) -> None
     versions, GPUs, the detected launcher and why, and what the decorator and this command
     would do here (`autoddp env --help`).
     """
-    master, master_addr, master_port = flags["master"], flags["master_addr"], flags["master_port"]
-    given = (  # one machine: its store's place, and the option that named it
-        master or flags["rdzv_endpoint"],
-        master_addr,
-        master_port,
-        "master" if master else "rdzv_endpoint",
-    )
-    if master is None and master_addr is not None:
-        master = f"{master_addr}:{master_port or 29500}"
-    nproc, endpoint = flags["nproc"], flags["rdzv_endpoint"]
+    nproc, endpoint, master = flags["nproc"], flags["rdzv_endpoint"], flags_launch.master_of(flags)
     if script == "env" and not flags["as_module"] and not os.path.exists("env"):
         from autoddp.command.env import env
 
@@ -152,59 +139,11 @@ def main(script: str | None, script_args: tuple[str, ...], **flags: Any) -> None
     arguments.check_target(
         script, flags["as_module"], [o for p in main.params for o in p.opts + p.secondary_opts]
     )
-    count = arguments.process_count(nproc)
-    try:
-        plan = launch_plan.plan(
-            flags["nnodes"],
-            flags["node_rank"],
-            master,
-            endpoint,
-            flags["rdzv_backend"],
-            flags["rdzv_id"],
-            flags["rdzv_conf"],
-            flags["local_addr"],
-            flags["join_timeout"],
-        )
-        store = launch_plan.one_node_store(*given)  # (before the options: it names --rdzv-endpoint)
-        settings = _options(flags, count, master)  # (after the plan: it names --rdzv-endpoint)
-        settings.output.shown(count)  # local ranks: the same on one machine and on each of several
-    except ConfigurationError as error:
-        fail(arguments.as_flags(str(error)))
-    request = settings.request(
-        nodes=plan, store=store, monitor_interval=flags["monitor_interval"], role=flags["role"]
-    )
-    argv = [*_runner_flags(settings), *(["--module"] if flags["as_module"] else []), script, *script_args]
-    target = Script(tuple(argv))
-    line = arguments.process_line(nproc, count, script_args)
+    request, target = flags_launch.launch_of(flags, script, script_args)
+    line = arguments.process_line(nproc, request.nproc, script_args)
     if line and not flags["quiet"] and launch.way(request, target) == door.WORKERS:
         click.echo(line, err=True)
     sys.exit(runs.run(request, target))
-
-
-def _options(flags: dict[str, Any], count: int, master: str | None) -> options.Options:
-    """The decorator's ``Options`` from the command's flags: the same checks, the same defaults."""
-    shared = {f.name for f in dataclasses.fields(options.Options)} & set(flags)
-    values = {name: flags[name] for name in shared}
-    endpoint = flags["rdzv_endpoint"]
-    values.update(
-        nproc=count,
-        fsdp_blocks=tuple(b.strip() for b in (flags["fsdp_blocks"] or "").split(",") if b.strip()),
-        ddp={"find_unused_parameters": True} if flags["find_unused_parameters"] else None,
-        master=master or endpoint,
-        rdzv_backend=flags["rdzv_backend"] or ("c10d" if endpoint and not master else None),
-    )
-    return options.Options(**values)
-
-
-def _runner_flags(settings: options.Options) -> list[str]:
-    """What the workers' script runner (``in_rank.worker.script``) is told: capture, the run's options."""
-    run = dataclasses.asdict(dataclasses.replace(settings.run_options, capture=True))
-    default = dataclasses.asdict(options.Options().run_options)
-    return [
-        *([] if settings.capture else ["--no-capture"]),
-        *(["--run-options", json.dumps(run)] if run != default else []),
-        *(["--timeout", repr(settings.timeout)] if settings.timeout is not None else []),
-    ]
 
 
 if __name__ == "__main__":

@@ -54,7 +54,8 @@ def _calls(tree: ast.Module) -> set[str]:
 def test_both_doors_call_the_one_launch_with_a_request_made_from_their_options():
     decorator, cli, runs = _tree("decorator.py"), _tree("cli.py"), _tree("command/runs.py")
     assert {"launch.run", "options.request"} <= _calls(decorator)
-    assert "settings.request" in _calls(cli) and "runs.run" in _calls(cli)
+    assert {"flags_launch.launch_of", "runs.run"} <= _calls(cli)
+    assert "settings.request" in _calls(_tree("command/flags_launch.py"))
     assert "launch.run" in _calls(runs)
     assert isinstance(Options().request(), Request)
     assert Options(nproc=2, max_restarts=1).request(role="trainer") == Request(
