@@ -119,6 +119,7 @@ def _decorate(fn: Callable[..., Any], options: Options) -> DistributedFunction:
 
 
 def _call(options: Options, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    request = options.request()  # the options go down the wings: a request, then a job for the ranks
     backend = backends.resolve_backend(options.backend, hardware.gpu_count())
     job = Job(wrapped, args, kwargs, backend, backends.as_timeout(options.timeout), options.run_options)
-    return launch.run(options.request(), job)
+    return launch.run(request, job)
