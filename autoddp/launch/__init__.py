@@ -2,13 +2,11 @@
 
 The one door is ``run(request, target)`` (``door``): both the decorator and the command call it
 with a ``request.Request`` and what runs (a function's ``Job``, or a ``request.Script``); ``way``
-says where it would run. Modules, in dependency order: ``output`` (console routing, messages),
-``plan`` (the multi-node options), ``request`` (what a launch is asked for), ``start_method``
-(fork or fresh interpreters), ``store`` (the loopback rendezvous store), ``supervise`` (elastic's
-multiprocessing, signals), ``failures`` (root-cause triage), ``local`` (one machine, restarts),
-``nodes`` (several machines, elastic's agent), ``in_place`` (a script inside a launched world),
-``door``. This package imports nothing until ``run`` or ``way`` is first used, so that checking
-options never loads the launch machinery.
+says where it would run; ``local`` (one machine, restarts), ``nodes`` (this node's share, elastic's
+agent) and ``in_place`` (a script inside a launched world) are its three ways, ``hang/`` the
+caller's half of the hang report; ARCHITECTURE.md lists every module. This package imports
+nothing until ``run`` or ``way`` is first used, so that checking options never loads the launch
+machinery.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def run_function(job: Job, nproc: int, request: Request) -> Any:
     After a failure the whole group starts again, up to ``request.max_restarts`` times (not for
     errors that would only repeat: a bad configuration, something that cannot be pickled). Ranks
     that wait for others longer than ``request.hang_report`` seconds are reported
-    (``autoddp.in_rank.hang``; 0: off).
+    (``launch.hang.watch``; 0: off).
     """
     start_method = request.start_method
     if job.backend.use_cuda:

@@ -581,7 +581,7 @@ def _defined_by_autoddp(package) -> set[str]:
 @pytest.mark.unit
 def test_private_names_are_reached_from_compat_only_and_listed_there():
     """The inventory in ``_compat.names`` is the code's: every private torch (or CPython) name is
-    used in ``autoddp/_compat`` only, each one used there is listed, and each listed is used."""
+    used in ``autoddp/core/_compat`` only, each one used there is listed, and each listed is used."""
     from autoddp.core._compat import names
 
     package = pathlib.Path(autoddp.__file__).parent
@@ -601,7 +601,7 @@ def test_private_names_are_reached_from_compat_only_and_listed_there():
                 used.update({name, last})
             else:
                 unlisted.append(where)
-    assert outside == [], f"private names outside autoddp/_compat: {outside}"
+    assert outside == [], f"private names outside autoddp/core/_compat: {outside}"
     assert unlisted == [], f"private names used in _compat and missing from _compat.names.PRIVATE: {unlisted}"
     compat_text = "".join(p.read_text() for p in compat.glob("*.py") if p.name != "names.py")
     stale = [n for n in names.PRIVATE if n.rsplit(".", 1)[-1] not in compat_text]

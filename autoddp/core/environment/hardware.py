@@ -95,7 +95,7 @@ def return_freed_memory_at_once() -> bool:
 
     FSDP allocates and frees every unit's full parameters and gradients each step; on the CPU,
     glibc's adaptive threshold then keeps them in the heap and the process holds more than
-    replicated training would (measured in ``benchmarks/fsdp_memory.py``). Linux with glibc only;
+    replicated training would (measured in ``benchmarks/memory.py``). Linux with glibc only;
     returns whether the setting took.
     """
     return _mallopt((_M_MMAP_THRESHOLD, 64 * 1024))
