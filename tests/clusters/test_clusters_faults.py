@@ -181,8 +181,11 @@ def test_node1_never_starts_node0_names_it_and_gives_up(scripts, front):
         node0.communicate()
     err = "".join(lines) + err
     assert "waiting for node 1 of 2 to join the rendezvous at" in err, err
-    assert said < 10 + 5, (said, err)  # (the interpreter and torch take seconds to start here)
-    assert code == 1 and ended - started < 20 + 15, (code, ended - started, err)
+    # said while it waits, within the seconds an interpreter and torch take to start on a loaded machine
+    assert said < 30, (said, err)
+    # gave up at the join timeout (20 s after it began waiting), not at any longer one: counted from
+    # the waiting line, so a slow interpreter start on a loaded machine does not count against it
+    assert code == 1 and ended - started - said < 20 + 20, (code, ended - started - said, err)
     assert "node 1 of 2 did not join the rendezvous at" in err + out
     assert "within the join timeout (20 s)" in err + out
     assert "--join-timeout" in err + out and "Traceback" not in err
