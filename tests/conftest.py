@@ -202,6 +202,29 @@ def pytest_terminal_summary(terminalreporter, config):
         pathlib.Path(os.environ[CLUSTERS_SUMMARY_FILE]).write_text(line + "\n")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """A test marked ``forks_here`` forks its workers from this pytest process. Where an earlier
+    test of this worker ran a backward here on a CUDA build of torch, autograd's device threads make
+    fork unsafe and autoddp refuses it by design: the test then runs alone in a fresh pytest
+    process, and its outcome there is its outcome (never skipped, never order-dependent)."""
+    if pyfuncitem.get_closest_marker("forks_here") is None:
+        return None
+    from autoddp.launch.start_method import choose_start_method
+
+    try:
+        choose_start_method("fork")
+        return None
+    except ConfigurationError:
+        pass
+    args = ["-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:xdist", pyfuncitem.nodeid]
+    result = run_python(args, cwd=pyfuncitem.config.rootpath, timeout=110)
+    assert result.returncode == 0, (
+        f"run alone in a fresh process:\n{result.stdout[-4000:]}\n{result.stderr[-2000:]}"
+    )
+    return True
+
+
 def pytest_collection_finish(session):
     """Under ``--dist loadgroup`` every grouped test must carry its group in its node id (that is
     how pytest-xdist sends a group to one worker): where a pytest/xdist pair drops it, the cluster

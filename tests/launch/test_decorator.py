@@ -19,7 +19,7 @@ from conftest import run_python
 
 pytestmark = pytest.mark.smoke  # CI runs these on the lowest and the newest torch too (-m smoke)
 
-METHODS = ["fork", "spawn"]
+METHODS = [pytest.param("fork", marks=pytest.mark.forks_here), "spawn"]
 
 
 class CustomError(Exception):
@@ -264,6 +264,7 @@ def test_unpicklable_argument_is_named():
         train([1, 2], lock=threading.Lock())
 
 
+@pytest.mark.forks_here
 def test_unpicklable_argument_works_with_fork():
     lock = threading.Lock()
 
