@@ -77,6 +77,11 @@ class Run:
         #: split_batches: this rank's share of the batch last handed out (W * part / batch; 0: a rank
         #: with no sample of it; None: no split batch in use). Models weigh their gradients by it.
         self.split_weight: float | None = None
+        #: (a weak reference to the iterator, its length) of the training pass of a DataLoader under
+        #: way: the forward of its last batch ends a gradient-accumulation window (``models._window``).
+        self.training_pass: tuple[Any, int] | None = None
+        #: The gradient-accumulation window last learned longer than one backward (0: none yet).
+        self.accumulating = 0
         #: torch.autograd.backward and .grad calls begun under capture, and the kind running now
         #: ("backward": accumulating into .grad; "grad": returning gradients; None): the step's
         #: averaging guard tells one backward from the next and sees an optimizer step inside one.

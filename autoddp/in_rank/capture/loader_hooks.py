@@ -22,6 +22,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sequenti
 
 from autoddp.core import _compat, _patches
 from autoddp.core.state import CURRENT, World
+from autoddp.in_rank import models
 from autoddp.in_rank.capture._notice import where
 from autoddp.in_rank.capture._registry import user_site
 from autoddp.in_rank.data import split
@@ -229,6 +230,8 @@ class Loaders:
             site = loader.__dict__.get(_SITE) or user_site(sys._getframe(1))
             whole_while_training = self._begin_pass(loader, site)
             iterator = session.passes.watch(loader, original)
+            if pass_kind(self._trained()) == TRAINING:  # its last batch ends an accumulation window
+                models.training_pass(iterator)
             if fresh and split.is_split(loader):  # split just now: its first pass weighed too
                 iterator = split.weighed(loader, iterator)
             # a whole pass while gradients are on may be training: an optimizer step in it is said

@@ -1,4 +1,5 @@
-"""Capture's training-step hooks: ``backward``, ``grad``, every optimizer step and DDP's ``__init__``.
+"""Capture's training-step hooks: ``backward``, ``grad``, every optimizer step and DDP's ``__init__``,
+and what reads gradients before a step (``clip_grad_norm_``, ``GradScaler.unscale_``).
 
 The first ``backward()`` checks the loss and, with no optimizer made yet, which models it trains
 by hand; each ``backward()`` and ``grad()`` is counted (``models.counted``); a step says what could
@@ -9,6 +10,7 @@ passes of the loaders (a framework's: Lightning's strategy wraps the module it t
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from typing import Any
@@ -19,8 +21,21 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from autoddp.core import _patches
 from autoddp.core.state import CURRENT
 from autoddp.in_rank import models
+from autoddp.in_rank.capture._notice import where
 from autoddp.in_rank.capture._registry import user_site
 from autoddp.in_rank.capture._undistributed import caller_site, candidate_roots, grad_versions
+
+#: What reads gradients between the last backward and ``step()`` (gradient accumulation leaves a
+#: wrongly guessed window's gradients local until then: ``models._window``). Looked up at install.
+_GRADIENT_READERS = (
+    (torch.nn.utils, "clip_grad_norm_"),
+    (torch.nn.utils, "clip_grad_value_"),
+    (torch.nn.utils, "get_total_norm"),
+    (torch.nn.utils.clip_grad, "clip_grad_norm_"),
+    (torch.nn.utils.clip_grad, "clip_grad_value_"),
+    (torch.nn.utils.clip_grad, "get_total_norm"),
+    (torch.amp.GradScaler, "unscale_"),
+)
 
 
 class Steps:
@@ -32,12 +47,14 @@ class Steps:
         self._patches = _patches.Patches()
         self._handles: list[Any] = []
         self.own_ddp: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # the user's own DDP models
+        self.accumulation_said = False
 
     def install(self) -> None:
         patches = [
             (torch.nn.parallel.DistributedDataParallel, "__init__", self._ddp_init),
             (torch.autograd, "backward", lambda original: self._backward(models.counted(original))),
             (torch.autograd, "grad", lambda original: models.counted(original, accumulates=False)),
+            *((owner, name, self._reading) for owner, name in _GRADIENT_READERS if hasattr(owner, name)),
         ]
         self._patches.install(_patches.wrapping(owner, name, make) for owner, name, make in patches)
 
@@ -82,10 +99,30 @@ class Steps:
         session.undistributed.after_first_backward(session.notice, roots, before, user_site(frame), wrapped)
         return result
 
+    def _reading(self, original: Any) -> Any:
+        """A function that reads gradients before ``step()``: gradients still local averaged first."""
+        session = self.session
+
+        @functools.wraps(original)
+        def reading(*args: Any, **kwargs: Any) -> Any:
+            if not session.busy:
+                models.average_deferred()
+            return original(*args, **kwargs)
+
+        return reading
+
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         session = self.session
         if not session.busy and session.undistributed.at_step:
             session.undistributed.before_step(session.notice, caller_site())
+        if CURRENT.accumulating and not self.accumulation_said and session.notice is not None:
+            self.accumulation_said = True
+            session.notice.say(
+                "accumulation",
+                f"gradient accumulation: {CURRENT.accumulating} backward passes per optimizer.step() at "
+                f"{where(caller_site())}: DDP synchronises the gradients once per step, at the last one "
+                "(what no_sync() does by hand); a step that comes earlier averages them then",
+            )
 
     def _ddp_init(self, original: Any) -> Any:
         def __init__(ddp: Any, /, *args: Any, **kwargs: Any) -> None:

@@ -20,7 +20,7 @@ from autoddp.core.environment import hardware
 from autoddp.core.errors import ConfigurationError
 from autoddp.core.state import RunOptions, World
 from autoddp.in_rank.models import _rebind, ddp, fsdp
-from autoddp.in_rank.models._averaging import guard_optimizer
+from autoddp.in_rank.models._averaging import average_deferred, guard_optimizer
 from autoddp.in_rank.models._fsdp_state import (
     bind_optimizer,
     full_tensors,
@@ -30,6 +30,7 @@ from autoddp.in_rank.models._fsdp_state import (
 from autoddp.in_rank.models._reduction import counted
 from autoddp.in_rank.models._routing import no_sync_at_one_process
 from autoddp.in_rank.models._split import check_loss, show_split_loss_whole, split_note
+from autoddp.in_rank.models._window import training_pass
 
 __all__ = [
     "STRATEGIES",
@@ -46,6 +47,8 @@ __all__ = [
     "ddp_being_built",
     # the optimizers' side: ``_averaging``, ``_fsdp_state``
     "guard_optimizer",
+    "average_deferred",
+    "training_pass",
     "bind_optimizer",
     "optimizer_state_dict",
     "full_tensors",

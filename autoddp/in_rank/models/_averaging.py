@@ -27,7 +27,7 @@ import torch
 
 from autoddp.core import _warn
 from autoddp.core.state import CURRENT
-from autoddp.in_rank.models import _reduction, _routing
+from autoddp.in_rank.models import _reduction, _routing, _window
 
 _GUARDED = "_autoddp_guarded"
 
@@ -44,6 +44,8 @@ class _Guard:
             replica = model.__dict__.get(_routing.REPLICA_ATTR)
             if replica is not None and id(model) not in self.seen:
                 replica.watch_submodules(model)  # (the counts this hook compares)
+                if CURRENT.capture is not None and replica.window is None:
+                    replica.window = _window.Window()  # (capture averages what reads gradients early)
                 self.models.append(model)
                 self.seen[id(model)] = (replica.forwards, replica.bypasses)
 
@@ -73,9 +75,11 @@ class _Guard:
             unreduced = replica.reduction.take()  # (taken by the first optimizer: it averages all)
             if unseen or unreduced or replica.bypasses != bypasses:
                 params = [p for p in model.parameters() if p.requires_grad]
-                if _average(params):
-                    reason = "unseen" if unseen else unreduced or "beside"
+                reason = "unseen" if unseen else unreduced or "beside"
+                if _average(params) and reason != _reduction.DEFERRED:  # (a window guessed wrong: silent)
                     self._say(model, reason, _WORDS[reason](type(model).__name__))
+            if replica.window is not None:
+                replica.window.stepped(replica.forwards)
             self.seen[id(model)] = (replica.forwards, replica.bypasses)
 
     def _closure(self, closure: Callable[[], Any]) -> Any:
@@ -190,20 +194,64 @@ def guard(optimizer: torch.optim.Optimizer, models: list[torch.nn.Module]) -> No
     optimizer.__dict__[_GUARDED] = hook
 
 
+def average_deferred() -> None:
+    """Average now the gradients that backward passes in ``no_sync`` left local (before they are read:
+    ``clip_grad_norm_``, ``GradScaler.unscale_``), in every model wrapped in this run.
+
+    A collective where some model has such gradients; every rank has the same ones (the windows are
+    decided alike everywhere).
+    """
+    for model in CURRENT.wrapped_models():
+        replica = model.__dict__.get(_routing.REPLICA_ATTR)
+        window = replica.window if replica is not None else None
+        if window is not None and replica.reduction.unreduced == _reduction.DEFERRED:
+            replica.reduction.take()
+            _average([p for p in model.parameters() if p.requires_grad])
+
+
+#: The most bytes of gradients one all-reduce of ``_average`` carries (DDP's default bucket size).
+_BUCKET = 25 * 1024 * 1024
+
+
 def _average(params: list[torch.Tensor]) -> bool:
-    """Average the gradients of ``params`` across ranks; False when none had one."""
+    """Average the gradients of ``params`` across ranks; False when none had one.
+
+    Gradients of one device and dtype travel flattened together, up to ``_BUCKET`` bytes per
+    all-reduce: a step the window guessed wrong costs one synchronisation, as DDP's would.
+    """
     import torch.distributed as dist
 
     if not any(p.grad is not None for p in params):
         return False
     world = dist.get_world_size()
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    works = [dist.all_reduce(g, async_op=True) for g in grads]  # the same list, in order, everywhere
+    buckets = _buckets([g for g in grads if not g.is_sparse])  # the same lists, in order, everywhere
+    flats = [torch.cat([g.reshape(-1) for g in bucket]) for bucket in buckets]
+    works = [dist.all_reduce(flat, async_op=True) for flat in flats]
+    works += [dist.all_reduce(g, async_op=True) for g in grads if g.is_sparse]
     for work in works:
         work.wait()
+    for bucket, flat in zip(buckets, flats, strict=True):
+        for g, part in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
+            g.copy_(part.view_as(g))
     for p, g in zip(params, grads, strict=True):
         if p.grad is not None:
             p.grad.div_(world)
         elif torch.count_nonzero(g):
             p.grad = g.div_(world)
     return True
+
+
+def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``grads`` in runs of one device and dtype, each up to ``_BUCKET`` bytes (order kept)."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for g in grads:
+        last = buckets[-1][-1] if buckets else None
+        nbytes = g.numel() * g.element_size()
+        if last is None or (last.device, last.dtype) != (g.device, g.dtype) or size + nbytes > _BUCKET:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(g)
+        size += nbytes
+    return buckets

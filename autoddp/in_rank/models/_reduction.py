@@ -7,7 +7,9 @@ results assigned to ``.grad`` by hand. Capture counts ``torch.autograd.backward`
 calls (``counted``, in ``CURRENT``); every forward through a guarded model's DDP hooks its
 outputs (``Ledger.forwarded``), so that a pass reaching them tells whether DDP averages it; the
 guard (``_averaging``) averages at ``step()`` when one did not, or when a step runs inside a
-backward pass (before DDP's all-reduce has finished).
+backward pass (before DDP's all-reduce has finished). A backward through forwards that deferred
+their synchronisation (gradient accumulation, ``_window``; the user's own ``no_sync``) leaves
+gradients to be averaged by a later synchronised backward, else by the guard (``DEFERRED``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from autoddp.in_rank.models._routing import on_backward
 #: ``CURRENT.backward_kind`` while ``torch.autograd.backward`` (accumulating) or ``grad`` runs.
 BACKWARD = "backward"
 GRAD = "grad"
+#: Why ``.grad`` holds local gradients: only backward passes through forwards in ``no_sync``.
+DEFERRED = "deferred"
 
 
 def counted(original: Callable[..., Any], accumulates: bool = True) -> Callable[..., Any]:
@@ -63,20 +67,33 @@ class Ledger:
     def forwarded(self, result: Any, synced: bool) -> None:
         """A forward with gradients went through the DDP: hook its outputs (``synced``: not in no_sync)."""
         self.pending = self.pending or synced
-        on_backward(result, self.reached)
+        on_backward(result, self.reached if synced else self.reached_deferred)
 
     def reached(self, grad: torch.Tensor) -> None:
         """A backward (or ``torch.autograd.grad``) reached a forward's outputs: did DDP average it?"""
+        if self._arrived():
+            if self.pending:
+                self.pending, self.unreduced = False, None  # DDP averages all of .grad at its end
+            else:
+                self.unreduced = BACKWARD  # a second backward through one forward (retain_graph)
+
+    def reached_deferred(self, grad: torch.Tensor) -> None:
+        """A backward reached a forward made in ``no_sync``: its gradients wait for a synchronisation."""
+        if self._arrived():
+            if self.pending:
+                self.pending, self.unreduced = False, None  # a synchronised forward's backward too
+            elif self.unreduced is None:
+                self.unreduced = DEFERRED
+
+    def _arrived(self) -> bool:
+        """Whether this is the first hook a new backward pass reaches (``torch.autograd.grad``: noted)."""
         if CURRENT.backward_kind != BACKWARD:  # grad, or None: one imported by name before capture
             self.unreduced = GRAD  # (its results may be put into .grad; averaging again is exact)
-            return
+            return False
         if CURRENT.backwards == self.last:
-            return  # another output, or another forward, of the same backward
+            return False  # another output, or another forward, of the same backward
         self.last = CURRENT.backwards
-        if self.pending:
-            self.pending, self.unreduced = False, None  # DDP averages all of .grad at its end
-        else:
-            self.unreduced = BACKWARD  # a second backward through one forward (retain_graph)
+        return True
 
     def take(self) -> str | None:
         """What left gradients DDP did not average (None: nothing); forgotten once averaged."""

@@ -61,6 +61,8 @@ class Replica(Protocol):
 
     def count_bypass(self, grad: torch.Tensor) -> None: ...
 
+    def defers(self, ddp: torch.nn.parallel.DistributedDataParallel) -> bool: ...
+
     def watch_submodules(self, module: torch.nn.Module) -> None: ...
 
 
@@ -92,9 +94,12 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     _ROUTING.calls += 1
     replica.forwards += 1
     try:
-        result = ddp(*args, **kwargs)
+        if replica.watched and replica.defers(ddp):  # gradient accumulation (``_window``)
+            result, synced = _deferred(ddp, args, kwargs), False
+        else:
+            result, synced = ddp(*args, **kwargs), ddp.require_backward_grad_sync
         if replica.watched:  # an optimizer's guard reads which backward passes DDP averaged
-            replica.reduction.forwarded(result, ddp.require_backward_grad_sync)
+            replica.reduction.forwarded(result, synced)
         if CURRENT.split_weight is not None:  # split_batches: this rank's part weighs its share
             _split.weigh(result, CURRENT.split_weight)
         return result
@@ -105,6 +110,20 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         raise explained from error
     finally:
         _ROUTING.inside = replica.inside = False
+
+
+def _deferred(ddp: torch.nn.parallel.DistributedDataParallel, args: tuple, kwargs: dict) -> Any:
+    """A forward through ``ddp`` whose backward leaves the gradients local (DDP's ``no_sync``).
+
+    DDP still broadcasts its buffers before the next forward, as after a synchronised one: the
+    forwards see what they see when every backward synchronises.
+    """
+    ddp.require_backward_grad_sync = False
+    try:
+        return ddp(*args, **kwargs)
+    finally:
+        ddp.require_backward_grad_sync = True
+        ddp.require_forward_param_sync = True
 
 
 def _adopt_compile(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:

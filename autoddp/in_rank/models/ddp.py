@@ -30,7 +30,7 @@ from autoddp.core import _class_swap, _compat, _warn
 from autoddp.core.environment import hardware
 from autoddp.core.errors import ConfigurationError
 from autoddp.core.state import CURRENT, RunOptions, World
-from autoddp.in_rank.models import _reduction, _routing, _split, statistics
+from autoddp.in_rank.models import _reduction, _routing, _split, _window, statistics
 from autoddp.in_rank.world import placement
 
 #: The strategy's name (``strategy="ddp"``), kept on the class of each model it wraps.
@@ -91,6 +91,12 @@ class Replica:
         #: (``_averaging``); without one, a submodule's call costs nothing more than the plain call.
         self.watched = False
         self.reduction = _reduction.Ledger()  # which backward passes DDP averaged (the guard's)
+        #: The gradient-accumulation window learned from an optimizer's steps (``_window``), set by
+        #: the guard under capture (which also averages what a wrong guess left local); None: sync all.
+        self.window: _window.Window | None = None
+        #: Whether DDP's ``no_sync`` may defer a forward's synchronisation (not in DDP's modes that
+        #: synchronise otherwise: a static graph, parameters whose all-reduce is delayed).
+        self.deferrable = False
         self.inside = False  # while the DDP's forward runs
         #: While ``build`` makes the DDP: capture's hook of ``DistributedDataParallel.__init__``
         #: must not take autoddp's own (re)build, inside the user's forward, for a DDP of the user's.
@@ -125,6 +131,17 @@ class Replica:
         finally:
             self.building = False
         object.__setattr__(module, _routing.DDP_ATTR, ddp)
+        self.deferrable = not ddp.static_graph and not self.ddp_kwargs.get("delay_all_reduce_named_params")
+
+    def defers(self, ddp: torch.nn.parallel.DistributedDataParallel) -> bool:
+        """Whether the forward under way (already counted) leaves its gradients local (``_window``)."""
+        window = self.window
+        return (
+            window is not None
+            and self.deferrable
+            and ddp.require_backward_grad_sync  # (the user's own no_sync stays as it is)
+            and window.defers(self.forwards)
+        )
 
     def for_call(
         self, module: torch.nn.Module, args: tuple = (), kwargs: dict | None = None

@@ -1,0 +1,184 @@
+"""Gradient accumulation: one gradient synchronisation per optimizer step, results unchanged.
+
+The all-reduces each rank issues are counted with torch's profiler (gloo names each one), never
+timed. The weights, and the norms ``clip_grad_norm_`` returns before each step, equal one
+process's with the global batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import autoddp
+from conftest import run_python
+
+#: Micro-batches per optimizer step, for each run.
+WINDOWS = {
+    "1": [1] * 4,
+    "2": [2] * 4,
+    "4": [4] * 4,
+    "8": [8] * 3,
+    "irregular": [3, 1, 5, 2, 2, 8, 1, 4],
+}
+_WORLD, _ROWS = 2, 4
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def _data(steps: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[micro-step, rank, rows, ...]: each rank's micro-batches."""
+    generator = torch.Generator().manual_seed(1)
+    total = sum(steps)
+    return torch.randn(total, _WORLD, _ROWS, 8, generator=generator), torch.randn(
+        total, _WORLD, _ROWS, 1, generator=generator
+    )
+
+
+def _all_reduces(profiler) -> int:
+    return sum(1 for event in profiler.events() if event.name.startswith("gloo:all_reduce"))
+
+
+def _train(steps: list[int], rank: int | None, *, scaler: bool = False, own_no_sync: bool = False):
+    """Train on ``steps`` windows; ``rank`` None: one process with the global batch.
+
+    Returns per step the all-reduces issued and the norm ``clip_grad_norm_`` saw, then the weights.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if scaler else None
+    inputs, targets = _data(steps)
+    counts, norms, micro = [], [], 0
+    for k in steps:
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            for j in range(k):
+                x = inputs[micro].reshape(-1, 8) if rank is None else inputs[micro, rank]
+                y = targets[micro].reshape(-1, 1) if rank is None else targets[micro, rank]
+                micro += 1
+                last = j == k - 1
+                with model.no_sync() if own_no_sync and rank is not None and not last else _nothing():
+                    loss = nn.functional.mse_loss(model(x), y) / k
+                    (grad_scaler.scale(loss) if scaler else loss).backward()
+            if scaler:
+                grad_scaler.unscale_(optimizer)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 100.0)))
+            if scaler:
+                grad_scaler.step(optimizer)
+                grad_scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad()
+        counts.append(_all_reduces(profiler))
+    return counts, norms, [p.detach().clone() for p in model.parameters()]
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+@autoddp.distributed(nproc=_WORLD)
+def _runs(runs: dict[str, tuple[list[int], dict]]):
+    return {name: _train(steps, autoddp.rank(), **extra) for name, (steps, extra) in runs.items()}
+
+
+RUNS = {
+    **{name: (steps, {}) for name, steps in WINDOWS.items()},
+    "scaler": (WINDOWS["irregular"], {"scaler": True}),
+    "own no_sync": ([4] * 4, {"own_no_sync": True}),
+}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return _runs(RUNS)
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_weights_and_clipped_norms_equal_one_process(results, name):
+    steps, extra = RUNS[name]
+    _, norms, weights = results[name]
+    _, reference_norms, reference = _train(steps, None, **extra)
+    assert norms == pytest.approx(reference_norms, rel=1e-5)
+    for ours, theirs in zip(weights, reference, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["1", "2", "4", "8", "own no_sync"])
+def test_one_all_reduce_per_optimizer_step(results, name):
+    counts = results[name][0]
+    # the first window is not known yet: its first forward synchronises, the step averages the rest
+    assert counts[0] <= 2
+    assert counts[1:] == [1] * (len(counts) - 1), counts
+
+
+@pytest.mark.parametrize("name", ["irregular", "scaler"])
+def test_an_irregular_window_costs_at_most_one_more_per_change(results, name):
+    steps = RUNS[name][0]
+    counts = results[name][0]
+    changes = sum(1 for a, b in itertools.pairwise(steps) if a != b)
+    assert all(1 <= c <= 2 for c in counts), counts
+    assert sum(counts) <= len(steps) + changes + 1, counts
+
+
+SCRIPT = """
+    import json, sys
+    import torch
+    from torch import nn
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    data = torch.utils.data.TensorDataset(torch.randn(40, 8), torch.randn(40, 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=4)  # 10 batches: windows of 4, 4, 2
+    K = 4
+    counts = []
+    profiler = profile(activities=[ProfilerActivity.CPU])
+    for epoch in range(2):
+        profiler.start()
+        for i, (x, y) in enumerate(loader):
+            loss = nn.functional.mse_loss(model(x), y) / K
+            loss.backward()
+            if (i + 1) % K == 0 or i == len(loader) - 1:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+                profiler.stop()
+                counts.append(sum(1 for e in profiler.events() if e.name.startswith("gloo:all_reduce")))
+                profiler = profile(activities=[ProfilerActivity.CPU])
+                profiler.start()
+        profiler.stop()
+        profiler = profile(activities=[ProfilerActivity.CPU])
+    weights = [p.detach().flatten().tolist() for p in model.parameters()]
+    print("RESULT", json.dumps({"counts": counts, "weights": weights}))
+"""
+
+
+def test_an_unchanged_script_under_the_command_synchronises_once_per_step(tmp_path):
+    """A DataLoader whose epoch ends in a shorter window: the last batch synchronises too."""
+    script = tmp_path / "accumulate.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    alone = run_python([str(script)], timeout=60)
+    assert alone.returncode == 0, alone.stderr
+    ran = run_python(["-m", "autoddp.cli", "-n", "2", str(script)], timeout=90)
+    assert ran.returncode == 0, ran.stderr
+    theirs = json.loads(alone.stdout.split("RESULT ", 1)[1])
+    ours = json.loads(ran.stdout.split("RESULT ", 1)[1])
+    assert ours["counts"][0] <= 2, ours["counts"]
+    assert ours["counts"][1:] == [1] * 5, ours["counts"]
+    for a, b in zip(ours["weights"], theirs["weights"], strict=True):
+        assert a == pytest.approx(b, abs=1e-6)
