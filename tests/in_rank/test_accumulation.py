@@ -82,17 +82,39 @@ def _train(steps: list[int], rank: int | None, *, scaler: bool = False, own_no_s
     return counts, norms, [p.detach().clone() for p in model.parameters()]
 
 
+def _train_gan(rank: int | None, iterations: int = 6):
+    """A DCGAN-style loop: D sees real and fake, then G's loss passes through D again (D's window
+    is 3 forwards, G's 1). Returns per iteration the all-reduces issued, then both models' weights."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    g, d = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8)), nn.Sequential(nn.Linear(8, 1))
+    opt_g, opt_d = (torch.optim.Adam(m.parameters(), lr=0.01) for m in (g, d))
+    real, noise = _data([iterations * 2])[0][:, :, :, :8], _data([iterations * 2])[0][:, :, :, :4]
+    counts = []
+    for i in range(iterations):
+        x = real[i].reshape(-1, 8) if rank is None else real[i, rank]
+        z = noise[i].reshape(-1, 4) if rank is None else noise[i, rank]
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            opt_d.zero_grad()
+            fake = g(z)
+            loss_d = d(x).mean() - d(fake.detach()).mean()
+            loss_d.backward()
+            opt_d.step()
+            opt_g.zero_grad()
+            loss_g = -d(fake).mean()
+            loss_g.backward()
+            opt_g.step()
+        counts.append(_all_reduces(profiler))
+    return counts, [p.detach().clone() for m in (g, d) for p in m.parameters()]
+
+
 class _nothing:
     def __enter__(self):
         return None
 
     def __exit__(self, *exc):
         return False
-
-
-@autoddp.distributed(nproc=_WORLD)
-def _runs(runs: dict[str, tuple[list[int], dict]]):
-    return {name: _train(steps, autoddp.rank(), **extra) for name, (steps, extra) in runs.items()}
 
 
 RUNS = {
@@ -102,9 +124,29 @@ RUNS = {
 }
 
 
+@autoddp.distributed(nproc=_WORLD)
+def _runs(runs: dict[str, tuple[list[int], dict]]):
+    found = {name: _train(steps, autoddp.rank(), **extra) for name, (steps, extra) in runs.items()}
+    return found, _train_gan(autoddp.rank())
+
+
 @pytest.fixture(scope="module")
-def results():
+def both():
     return _runs(RUNS)
+
+
+@pytest.fixture(scope="module")
+def results(both):
+    return both[0]
+
+
+def test_two_models_with_two_optimizers_keep_one_process_weights(both):
+    """D trained by its optimizer and reached again by G's loss: one all-reduce per model a step."""
+    counts, weights = both[1]
+    _, reference = _train_gan(None)
+    for ours, theirs in zip(weights, reference, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+    assert all(c <= 3 for c in counts), counts  # (D's two backward passes, G's one; then fewer)
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
@@ -168,13 +210,15 @@ SCRIPT = """
 """
 
 
-def test_an_unchanged_script_under_the_command_synchronises_once_per_step(tmp_path):
-    """A DataLoader whose epoch ends in a shorter window: the last batch synchronises too."""
+@pytest.mark.parametrize("flags", [[], ["--split-batches"]], ids=["default", "split-batches"])
+def test_an_unchanged_script_under_the_command_synchronises_once_per_step(tmp_path, flags):
+    """A DataLoader whose epoch ends in a shorter window: the last batch synchronises too. (Its order
+    is kept: the default mode leaves it whole on every rank, split_batches splits each batch.)"""
     script = tmp_path / "accumulate.py"
     script.write_text(textwrap.dedent(SCRIPT))
     alone = run_python([str(script)], timeout=60)
     assert alone.returncode == 0, alone.stderr
-    ran = run_python(["-m", "autoddp.cli", "-n", "2", str(script)], timeout=90)
+    ran = run_python(["-m", "autoddp.cli", "-n", "2", *flags, str(script)], timeout=90)
     assert ran.returncode == 0, ran.stderr
     theirs = json.loads(alone.stdout.split("RESULT ", 1)[1])
     ours = json.loads(ran.stdout.split("RESULT ", 1)[1])
