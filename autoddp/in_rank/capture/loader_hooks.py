@@ -231,7 +231,8 @@ class Loaders:
             whole_while_training = self._begin_pass(loader, site)
             iterator = session.passes.watch(loader, original)
             if pass_kind(self._trained()) == TRAINING:  # its last batch ends an accumulation window
-                models.training_pass(iterator)
+                # (an IterableDataset's length may be the whole's, or differ between ranks: not read)
+                models.training_pass(None if isinstance(loader.dataset, IterableDataset) else iterator)
             if fresh and split.is_split(loader):  # split just now: its first pass weighed too
                 iterator = split.weighed(loader, iterator)
             # a whole pass while gradients are on may be training: an optimizer step in it is said

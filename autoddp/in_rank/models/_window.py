@@ -59,13 +59,14 @@ class Window:
 
 
 def training_pass(iterator: Any) -> None:
-    """A training pass of a DataLoader begins: its last batch ends a window (``last_batch``)."""
+    """A training pass of a DataLoader begins: its last batch ends a window (``last_batch``).
+
+    ``iterator`` None: a pass whose length cannot be trusted alike on every rank (no last batch).
+    """
     try:
-        length = len(iterator)
-    except TypeError:  # an IterableDataset without a length
+        CURRENT.training_pass = None if iterator is None else (weakref.ref(iterator), len(iterator))
+    except TypeError:  # a sampler without a length (an endless one)
         CURRENT.training_pass = None
-        return
-    CURRENT.training_pass = (weakref.ref(iterator), length)
 
 
 def last_batch() -> bool:
