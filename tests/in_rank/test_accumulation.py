@@ -1,8 +1,8 @@
 """Gradient accumulation: one gradient synchronisation per optimizer step, results unchanged.
 
-The all-reduces each rank issues are counted with torch's profiler (gloo names each one), never
-timed. The weights, and the norms ``clip_grad_norm_`` returns before each step, equal one
-process's with the global batch.
+The collectives each rank issues are counted by its process group (the backend's sequence
+number), never timed (torch 2.4's profiler drops some of gloo's events). The weights, and the
+norms ``clip_grad_norm_`` returns before each step, equal one process's with the global batch.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 import autoddp
+
+pytestmark = pytest.mark.smoke  # CI runs these on the lowest and the newest torch too (-m smoke)
 from conftest import run_python
 
 #: Micro-batches per optimizer step, for each run.
@@ -43,8 +45,13 @@ def _data(steps: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def _all_reduces(profiler) -> int:
-    return sum(1 for event in profiler.events() if event.name.startswith("gloo:all_reduce"))
+def _issued() -> int:
+    """The collectives this rank issued so far (none in one process)."""
+    import torch.distributed as dist
+
+    from autoddp.core import _compat
+
+    return _compat.collectives_issued() if dist.is_initialized() else 0
 
 
 def _train(steps: list[int], rank: int | None, *, scaler: bool = False, own_no_sync: bool = False):
@@ -52,41 +59,38 @@ def _train(steps: list[int], rank: int | None, *, scaler: bool = False, own_no_s
 
     Returns per step the all-reduces issued and the norm ``clip_grad_norm_`` saw, then the weights.
     """
-    from torch.profiler import ProfilerActivity, profile
-
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     grad_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if scaler else None
     inputs, targets = _data(steps)
-    counts, norms, micro = [], [], 0
+    counts, norms, micro, before = [], [], 0, None
     for k in steps:
-        with profile(activities=[ProfilerActivity.CPU]) as profiler:
-            for j in range(k):
-                x = inputs[micro].reshape(-1, 8) if rank is None else inputs[micro, rank]
-                y = targets[micro].reshape(-1, 1) if rank is None else targets[micro, rank]
-                micro += 1
-                last = j == k - 1
-                with model.no_sync() if own_no_sync and rank is not None and not last else _nothing():
-                    loss = nn.functional.mse_loss(model(x), y) / k
-                    (grad_scaler.scale(loss) if scaler else loss).backward()
-            if scaler:
-                grad_scaler.unscale_(optimizer)
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 100.0)))
-            if scaler:
-                grad_scaler.step(optimizer)
-                grad_scaler.update()
-            else:
-                optimizer.step()
-            optimizer.zero_grad()
-        counts.append(_all_reduces(profiler))
+        for j in range(k):
+            x = inputs[micro].reshape(-1, 8) if rank is None else inputs[micro, rank]
+            y = targets[micro].reshape(-1, 1) if rank is None else targets[micro, rank]
+            micro += 1
+            last = j == k - 1
+            with model.no_sync() if own_no_sync and rank is not None and not last else _nothing():
+                loss = nn.functional.mse_loss(model(x), y) / k
+                before = _issued() if before is None else before  # (after the first forward's broadcast)
+                (grad_scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            grad_scaler.unscale_(optimizer)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 100.0)))
+        if scaler:
+            grad_scaler.step(optimizer)
+            grad_scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
+        counts.append(_issued() - before)
+        before = _issued()
     return counts, norms, [p.detach().clone() for p in model.parameters()]
 
 
 def _train_gan(rank: int | None, iterations: int = 6):
     """A DCGAN-style loop: D sees real and fake, then G's loss passes through D again (D's window
     is 3 forwards, G's 1). Returns per iteration the all-reduces issued, then both models' weights."""
-    from torch.profiler import ProfilerActivity, profile
-
     torch.manual_seed(0)
     g, d = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8)), nn.Sequential(nn.Linear(8, 1))
     opt_g, opt_d = (torch.optim.Adam(m.parameters(), lr=0.01) for m in (g, d))
@@ -95,17 +99,17 @@ def _train_gan(rank: int | None, iterations: int = 6):
     for i in range(iterations):
         x = real[i].reshape(-1, 8) if rank is None else real[i, rank]
         z = noise[i].reshape(-1, 4) if rank is None else noise[i, rank]
-        with profile(activities=[ProfilerActivity.CPU]) as profiler:
-            opt_d.zero_grad()
-            fake = g(z)
-            loss_d = d(x).mean() - d(fake.detach()).mean()
-            loss_d.backward()
-            opt_d.step()
-            opt_g.zero_grad()
-            loss_g = -d(fake).mean()
-            loss_g.backward()
-            opt_g.step()
-        counts.append(_all_reduces(profiler))
+        before = _issued()
+        opt_d.zero_grad()
+        fake = g(z)
+        loss_d = d(x).mean() - d(fake.detach()).mean()
+        loss_d.backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        loss_g = -d(fake).mean()
+        loss_g.backward()
+        opt_g.step()
+        counts.append(_issued() - before)
     return counts, [p.detach().clone() for m in (g, d) for p in m.parameters()]
 
 
@@ -146,7 +150,8 @@ def test_two_models_with_two_optimizers_keep_one_process_weights(both):
     _, reference = _train_gan(None)
     for ours, theirs in zip(weights, reference, strict=True):
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
-    assert all(c <= 3 for c in counts), counts  # (D's two backward passes, G's one; then fewer)
+    # D's and G's one each once D's window (3 forwards: G's loss reaches D too) is learned
+    assert counts[3:] == [2] * (len(counts) - 3), counts
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
@@ -159,12 +164,18 @@ def test_weights_and_clipped_norms_equal_one_process(results, name):
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
 
 
+def _without_rebuild(counts: list[int]) -> list[int]:
+    """``counts`` less DDP's own two broadcasts, once, after its first synchronised backward (it
+    rebuilds its buckets in the order the gradients came: torch's, hand-written DDP's too)."""
+    found = next((i for i, c in enumerate(counts) if c >= 3), None)
+    return counts if found is None else [*counts[:found], counts[found] - 2, *counts[found + 1 :]]
+
+
 @pytest.mark.parametrize("name", ["1", "2", "4", "8", "own no_sync"])
 def test_one_all_reduce_per_optimizer_step(results, name):
     counts = results[name][0]
-    # the first window is not known yet: its first forward synchronises, the step averages the rest
-    assert counts[0] <= 2
-    assert counts[1:] == [1] * (len(counts) - 1), counts
+    # (the first step also holds capture's first-step agreement: the window is learned there)
+    assert _without_rebuild(counts[1:]) == [1] * (len(counts) - 1), counts
 
 
 @pytest.mark.parametrize("name", ["irregular", "scaler"])
@@ -172,15 +183,20 @@ def test_an_irregular_window_costs_at_most_one_more_per_change(results, name):
     steps = RUNS[name][0]
     counts = results[name][0]
     changes = sum(1 for a, b in itertools.pairwise(steps) if a != b)
-    assert all(1 <= c <= 2 for c in counts), counts
-    assert sum(counts) <= len(steps) + changes + 1, counts
+    later = _without_rebuild(counts[1:])
+    assert all(1 <= c <= 2 for c in later), counts
+    assert sum(later) <= len(later) + changes, counts
 
 
 SCRIPT = """
-    import json, sys
+    import json
     import torch
+    import torch.distributed as dist
     from torch import nn
-    from torch.profiler import ProfilerActivity, profile
+
+    def issued():  # the collectives this rank issued so far (none in one process)
+        from autoddp.core import _compat
+        return _compat.collectives_issued() if dist.is_initialized() else 0
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
@@ -188,23 +204,18 @@ SCRIPT = """
     data = torch.utils.data.TensorDataset(torch.randn(40, 8), torch.randn(40, 1))
     loader = torch.utils.data.DataLoader(data, batch_size=4)  # 10 batches: windows of 4, 4, 2
     K = 4
-    counts = []
-    profiler = profile(activities=[ProfilerActivity.CPU])
+    counts, before = [], None
     for epoch in range(2):
-        profiler.start()
         for i, (x, y) in enumerate(loader):
             loss = nn.functional.mse_loss(model(x), y) / K
+            before = issued() if before is None else before  # (after the first forward's broadcast)
             loss.backward()
             if (i + 1) % K == 0 or i == len(loader) - 1:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
                 optimizer.zero_grad()
-                profiler.stop()
-                counts.append(sum(1 for e in profiler.events() if e.name.startswith("gloo:all_reduce")))
-                profiler = profile(activities=[ProfilerActivity.CPU])
-                profiler.start()
-        profiler.stop()
-        profiler = profile(activities=[ProfilerActivity.CPU])
+                counts.append(issued() - before)
+                before = issued()
     weights = [p.detach().flatten().tolist() for p in model.parameters()]
     print("RESULT", json.dumps({"counts": counts, "weights": weights}))
 """
@@ -222,7 +233,7 @@ def test_an_unchanged_script_under_the_command_synchronises_once_per_step(tmp_pa
     assert ran.returncode == 0, ran.stderr
     theirs = json.loads(alone.stdout.split("RESULT ", 1)[1])
     ours = json.loads(ran.stdout.split("RESULT ", 1)[1])
-    assert ours["counts"][0] <= 2, ours["counts"]
+    # (the first step also holds capture's own first-step agreement between the ranks)
     assert ours["counts"][1:] == [1] * 5, ours["counts"]
     for a, b in zip(ours["weights"], theirs["weights"], strict=True):
         assert a == pytest.approx(b, abs=1e-6)
