@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 import autoddp
+from conftest import run_python
 
 pytestmark = pytest.mark.smoke  # CI runs these on the lowest and the newest torch too (-m smoke)
-from conftest import run_python
 
 #: Micro-batches per optimizer step, for each run.
 WINDOWS = {
