@@ -3,7 +3,9 @@
 The user's module keeps its identity; its class becomes a cached subclass (same name and
 qualified name) whose ``__call__`` asks the module's ``Replica`` (kept in the instance's
 ``__dict__``) for an up-to-date DDP while gradients are recorded, and runs the plain module
-otherwise. ``no_sync`` is always there (a no-op without DDP). Pickling, ``torch.save(model)``
+otherwise. ``no_sync`` is always there (a no-op without DDP). Under an optimizer's guard, a
+forward that the gradient-accumulation window says is not the last before a step runs in DDP's
+``no_sync`` (``_window``). Pickling, ``torch.save(model)``
 and ``copy.deepcopy`` give what one process gives: the plain class, the same globals, nothing of
 autoddp (``_class_swap.plain_reduce``). User methods that compute with gradients without calling
 the model warn once (DDP cannot see them). A ``torch.compile`` result made over the module after
