@@ -3,8 +3,8 @@
 ``Options`` holds the options of a run. ``@distributed``'s signature is made from its fields, the
 ``autoddp`` command's flags from the same fields (those with flags) plus ``COMMAND_ONLY``, the
 flags that only a command line has, and the option table of README.md and docs/command.md from
-both (``readme_table``; ``tests/unit/test_options.py`` checks all three against this list). Both fronts
-build an ``Options``, so a value is checked by the same rule whichever way it came.
+both (``command.option_table``; ``tests/unit/test_options.py`` checks all three against this
+list). Both fronts build an ``Options``, so a value is checked by the same rule whichever way it came.
 """
 
 from __future__ import annotations
@@ -155,6 +155,13 @@ class Options:
         "--split-batches",
         is_flag=True,
     )
+    step_report: bool = option(
+        True,
+        "At the end of a run on this machine (and on SIGUSR1 to it while it runs), say where a step's "
+        "time goes: steps and samples per second, each rank's share waiting for data, computing and "
+        "waiting for the others, and the rank they wait for.",
+        "--step-report/--no-step-report",
+    )
     hang_report: float = option(
         hang_record.DEFAULT_SECONDS,
         "When ranks have waited this long in a collective for others, say which rank is late and where "
@@ -193,7 +200,7 @@ class Options:
                 f"split_batches=True works with strategy='ddp' only (not {self.strategy!r}) so far: "
                 "use strategy='ddp', or leave split_batches off"
             )
-        for name in ("sync_batchnorm", "capture", "cpu_offload", "split_batches"):
+        for name in ("sync_batchnorm", "capture", "cpu_offload", "split_batches", "step_report"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigurationError(f"{name}={getattr(self, name)!r} must be True or False")
         models.check_available(self.strategy)
@@ -237,7 +244,8 @@ class Options:
     def request(self, **command: Any) -> launch_request.Request:
         """What a launch of these options asks for (``autoddp.launch.run``); ``command``: what only the
         command says (its plan from every rendezvous flag, its store's place, ``--role``...)."""
-        same = {name: getattr(self, name) for name in ("nproc", "output", "max_restarts", "hang_report")}
+        names = ("nproc", "output", "max_restarts", "hang_report", "step_report")
+        same = {name: getattr(self, name) for name in names}
         if "nodes" not in command:
             command["nodes"] = self.nodes
         if "store" not in command:  # one machine: master= is where its store listens (as --master-addr)
@@ -371,30 +379,3 @@ def command_flags() -> list[CommandOnly]:
         if f.metadata["flags"]
     ]
     return [*shared, *COMMAND_ONLY]
-
-
-def readme_table() -> str:
-    """The option table of README.md and docs/command.md, made from this list (``tests/unit/test_options.py``
-    compares them)."""
-    rows = ["| `@distributed(...)` | `autoddp` flag | default | what it does |", "|---|---|---|---|"]
-    for field in dataclasses.fields(Options):
-        meta = field.metadata
-        cells = [f"`{field.name}=`", _flag_cell(meta["flags"]), _default_cell(field.default, meta["help"])]
-        rows.append(f"| {' | '.join(cells)} | {_help_cell(meta['help'])} |")
-    for flag in COMMAND_ONLY:
-        cells = ["", _flag_cell(flag.flags), _default_cell(flag.default, flag.help)]
-        rows.append(f"| {' | '.join(cells)} | {_help_cell(flag.help)} |")
-    return "\n".join(rows)
-
-
-def _flag_cell(flags: tuple[str, ...]) -> str:
-    return ", ".join(f"`{f}`" for f in flags if "_" not in f) if flags else "(decorator only)"
-
-
-def _default_cell(default: Any, text: str) -> str:
-    said = text.partition("  [default: ")[2]
-    return said.rstrip("]") if said else f"`{default!r}`"
-
-
-def _help_cell(text: str) -> str:
-    return text.split("  [default:")[0].replace("|", "\\|")

@@ -12,9 +12,9 @@
    replacing functions and class attributes makes Python drop the attribute lookups it had
    specialised, which alone costs more than the marks. A control times "on" against "on".
 2. Whole launches (``--launch-pairs``): ``hang_report=60`` against ``hang_report=0`` (no marks, no
-   watch), alternating (A B, then B A, ...), each a fresh run of the workers timing the same
-   training; a pair's ratio is on over off. Everything is in it, and so is the noise of separate
-   runs.
+   watch; both with ``step_report=False``, which would keep the marks), alternating (A B, then B
+   A, ...), each a fresh run of the workers timing the same training; a pair's ratio is on over
+   off. Everything is in it, and so is the noise of separate runs.
 
 It also times, in isolation, one marked call and one call passing through, over the same call
 unwrapped; a marked call that returns a work object (``async_op=True``: the work is kept, weakly,
@@ -179,7 +179,8 @@ def launches(size: str, pairs: int, blocks: int, nproc: int, backend: str | None
     times: dict[str, list[float]] = {"on": [], "off": []}
     for pair in range(pairs):
         for name in ("on", "off") if pair % 2 == 0 else ("off", "on"):
-            launch = autoddp.distributed(nproc=nproc, backend=backend, hang_report=60 if name == "on" else 0)
+            seconds = 60 if name == "on" else 0  # (no step report: it would keep the marks at 0)
+            launch = autoddp.distributed(nproc=nproc, backend=backend, hang_report=seconds, step_report=False)
             times[name].append(launch(one_launch)(size, blocks))
     return {"pairs": pairs, "blocks": blocks, "wall": _named(times)}
 
@@ -196,7 +197,9 @@ def main() -> None:
     args = parser.parse_args()
     sizes = args.sizes.split(",")
     backend = None if use_cuda(args.nproc) else "gloo"
-    run = autoddp.distributed(nproc=args.nproc, backend=backend, hang_report=60)(in_workers)
+    run = autoddp.distributed(nproc=args.nproc, backend=backend, hang_report=60, step_report=False)(
+        in_workers
+    )
     result = run(sizes, args.pairs, args.warmup_blocks)
     for size in sizes:
         if args.launch_pairs:

@@ -16,5 +16,7 @@ RUN_FOLDER = "AUTODDP_RUN_FOLDER"
 LINE_PREFIX = "AUTODDP_LINE_PREFIX"
 #: The hang report's records (set only where a launcher watches its workers).
 HANG_FOLDER = "AUTODDP_HANG_FOLDER"
+#: "1" where the launcher asks its workers for the step report (``in_rank.step_report``).
+STEP_REPORT = "AUTODDP_STEP_REPORT"
 #: Seconds a rank that finished the user's code may take to end before it is named and stopped.
 EXIT_SECONDS = "AUTODDP_EXIT_SECONDS"

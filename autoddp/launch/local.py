@@ -8,11 +8,12 @@ root-cause failure as the original exception. Every attempt gets a fresh run fol
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import signal
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from autoddp.core import _variables, _warn
@@ -23,7 +24,7 @@ from autoddp.in_rank.hang import record as hang_record
 from autoddp.in_rank.run_folder import transport
 from autoddp.in_rank.worker import process, stdin
 from autoddp.in_rank.worker.running import Job
-from autoddp.launch import diagnostics, failures
+from autoddp.launch import diagnostics, failures, step_report
 from autoddp.launch.contract import Contract, worker_envs
 from autoddp.launch.exits import Exits
 from autoddp.launch.failures import first_failure
@@ -117,13 +118,11 @@ def _with_restarts(
     """
     output = request.output
     poll_seconds = POLL_SECONDS if request.monitor_interval is None else request.monitor_interval
-    hang_report, port = request.hang_report, request.store[1]
+    reports, port = (request.hang_report, request.step_report), request.store[1]
     max_restarts, nproc = contract.max_restarts, contract.nproc
     for attempt in range(max_restarts + 1):
         try:
-            return _attempt(
-                workers, contract, method, attempt, poll_seconds, output, hang_report, port, returns
-            )
+            return _attempt(workers, contract, method, attempt, poll_seconds, output, reports, port, returns)
         except (ConfigurationError, SerializationError, KeyboardInterrupt):
             raise
         except BaseException as error:
@@ -142,12 +141,14 @@ def _attempt(
     attempt: int,
     poll_seconds: float,
     output: Output,
-    hang_report: float,
+    reports: tuple[float, bool],
     port: int | None,
     returns: bool = False,
 ) -> Any:
-    """One start of all workers, in a fresh run folder with a fresh store (no stale keys)."""
+    """One start of all workers, in a fresh run folder with a fresh store (no stale keys);
+    ``reports``: the hang report's seconds (0: off) and whether the step report is on."""
     nproc = contract.nproc
+    hang_report, steps = reports
     with transport.run_folder() as folder, hang_record.folder() as records:
         entry, entry_args = workers(folder)
         with loopback_store(nproc, contract.host, port) as port:
@@ -155,9 +156,11 @@ def _attempt(
             logs = output.logs_specs(folder, nproc)
             for env in envs.values():  # autoddp.print(all_ranks=True) must not prefix twice
                 env[_variables.LINE_PREFIX] = "1" if output.prefixed else "0"
-                if hang_report > 0:  # the workers keep their hang records there
-                    env[_variables.HANG_FOLDER] = records
-            watch = functools.partial(Watch, records, nproc, hang_report)
+                if hang_report > 0 or steps:  # the workers keep their hang records there (the
+                    env[_variables.HANG_FOLDER] = records  # step report counts their waits)
+                if steps:  # each worker's step record goes into the run folder
+                    env[_variables.STEP_REPORT] = "1"
+            watch = functools.partial(_watching, records, nproc, hang_report, folder if steps else None)
             exits = Exits(folder, nproc, returns=returns)
             context, result = supervise(entry, entry_args, envs, method, poll_seconds, logs, watch, exits)
         if result.is_failed() and exits.report({f.local_rank for f in result.failures.values()}):
@@ -181,7 +184,17 @@ def _attempt(
         gone = exits.without_result(failures.exit_codes(context))
         if gone:  # (every rank exited at once: elastic saw them all done)
             raise exits.without_result_error(gone)
+        if steps:
+            step_report.say_report(folder)
         return transport.load_result(folder)
+
+
+@contextlib.contextmanager
+def _watching(records: str, nproc: int, hang_report: float, steps: str | None) -> Iterator[None]:
+    """While the workers run: the hang report's watch, and the step report on request (``steps``:
+    the run folder where the workers keep their step records; None: no step report)."""
+    with Watch(records, nproc, hang_report), step_report.on_request(steps):
+        yield
 
 
 def _ended_without_result(exits: Exits, context: Any, folder: str, error: BaseException) -> BaseException:

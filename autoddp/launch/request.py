@@ -40,8 +40,9 @@ class Request:
     """How a run starts: ``nproc`` processes on this machine (None: one per visible GPU for a
     function's GPU backend, else 1), the machines taking part (``nodes``), where their output
     goes, restarts after a failure, how often they are checked (None: the launcher's own
-    interval), the hang report's seconds, the workers' role, how they start on one machine and
-    where one machine's store listens (no port: a free one)."""
+    interval), the hang report's seconds, whether the step report is said (one machine), the
+    workers' role, how they start on one machine and where one machine's store listens (no port:
+    a free one)."""
 
     nproc: int | None = None
     nodes: Nodes = dataclasses.field(default_factory=Nodes)
@@ -49,6 +50,7 @@ class Request:
     max_restarts: int = 0
     monitor_interval: float | None = None
     hang_report: float = hang_record.DEFAULT_SECONDS
+    step_report: bool = True  # (one machine)
     role: str = DEFAULT_ROLE
     start_method: str = "auto"  # (one machine)
     store: tuple[str, int | None] = (LOOPBACK, None)  # (one machine)

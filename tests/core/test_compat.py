@@ -156,6 +156,33 @@ def test_loader_iterator_appears_once_persistent_workers_start():
 
 
 @pytest.mark.unit
+def test_a_backward_callback_queued_as_the_pass_begins_runs_after_its_gradients_before_later_ones():
+    """The step report's clock: queued from the pass's first node, the callback runs once every
+    gradient is computed and before a callback queued later in the pass (DDP's, at its last bucket)."""
+    from autoddp.core._compat import timing
+
+    queue, order = timing.backward_callbacks(), []
+    weight = torch.ones(3, requires_grad=True)
+    loss = (weight * 2).sum()
+    weight.register_hook(lambda grad: (order.append("gradient"), queue(lambda: order.append("later")))[0])
+    loss.grad_fn.register_prehook(lambda grads: queue(lambda: order.append("first")))
+    loss.backward()
+    assert order == ["gradient", "first", "later"]
+
+
+def test_every_dataloader_iterator_hands_out_its_batches_through_the_base_class_next():
+    from autoddp.core._compat import timing
+
+    base = timing.loader_iterator_class()
+    assert "__next__" in vars(base)
+    for workers in (0, 1):
+        iterator = iter(DataLoader(list(range(4)), batch_size=2, num_workers=workers))
+        assert isinstance(iterator, base) and type(iterator).__next__ is base.__next__
+        assert next(iterator).tolist() == [0, 1]
+        del iterator
+
+
+@pytest.mark.unit
 def test_compiled_parts_and_compiling_the_module_in_place():
     from torch._dynamo.testing import CompileCounter
 

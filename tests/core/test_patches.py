@@ -334,6 +334,7 @@ def test_every_wrapper_takes_the_call_as_the_original_does(tmp_path, strategy):
             "torch.save",
             "torch.distributed.all_reduce",
             "torch.utils.data.dataloader.DataLoader.__iter__",
+            "torch.utils.data.dataloader._BaseDataLoaderIter.__next__",  # the step report's clock
             "torch.nn.Module._apply",  # replaced for the process's life
         } <= checked
         assert ("autoddp.barrier" in checked) == (rank == 0)  # rank0()'s refusals, on rank 0

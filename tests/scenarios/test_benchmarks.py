@@ -213,6 +213,22 @@ def test_capture_hooks_measures_every_piece_and_prints_json():
     }
 
 
+def test_step_report_measures_a_step_with_and_without_it_and_each_hook_and_prints_json():
+    tiny = ["--pairs", "2", "--steps", "5", "--calls", "50"]
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "step_report.py"), *tiny],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout.splitlines()[-1])
+    assert (
+        figures["whole"]["on_us"] > 0 and figures["whole"]["off_us"] > 0 and "added_us" in figures["control"]
+    )
+    assert set(figures["hooks"]) == {"next_us", "backward_us", "step_us", "sampled_backward_us"}
+
+
 def test_step_overhead_measures_three_sizes_against_ddp_and_prints_json():
     tiny = ["--sizes", "4,40,400", "--pairs", "2", "--steps", "1"]
     result = subprocess.run(

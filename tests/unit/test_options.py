@@ -13,6 +13,7 @@ from click.testing import CliRunner
 import autoddp
 from autoddp import options
 from autoddp.cli import main
+from autoddp.command import option_table
 
 pytestmark = [pytest.mark.unit, pytest.mark.smoke]  # every test here starts no process; smoke: CI's -m smoke
 
@@ -36,7 +37,9 @@ def test_the_decorator_the_command_and_the_readme_come_from_one_list():
     root = pathlib.Path(__file__).resolve().parents[2]
     for page in ("README.md", "docs/command.md"):
         text = root.joinpath(page).read_text()
-        assert options.readme_table() in text, f"{page}'s option table: paste options.readme_table()"
+        assert option_table.readme_table() in text, (
+            f"{page}'s option table: paste option_table.readme_table()"
+        )
 
 
 def test_the_command_checks_its_values_with_the_decorators_rules(tmp_path):

@@ -25,6 +25,8 @@ PRIVATE = {
     "torch.distributed.Backend._get_sequence_number_for_group": "the collectives a backend issued",
     "torch.distributed.elastic.multiprocessing.api.MultiprocessContext._pc": "forked workers' exit codes",
     "torch.utils.data.DataLoader._iterator": "the iterator persistent workers keep between passes",
+    "torch.utils.data.dataloader._BaseDataLoaderIter": "iterators' base: the step report times __next__",
+    "torch.autograd.Variable._execution_engine": "queue_callback: the step report sees a backward's work end",
     "torch.utils.data.dataloader._BaseDataLoaderIter._index_sampler": "the order of a kept iterator's pass",
     "torch.utils.data.dataloader._BaseDataLoaderIter._num_yielded": "the batches a pass has yielded",
     "torch.nn.Module._apply": "replaced (below): .to()/.half()/.cuda() seen",

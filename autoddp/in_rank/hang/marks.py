@@ -12,7 +12,9 @@ gradient all-reduce runs in C++ inside ``backward()``; the backward wrapper mark
 DistributedDataParallel exists in the process. A call that returns before its collective completes
 (a work object; on CUDA tensors, NCCL's queued collectives and DDP's backward) leaves a token to
 ``pending``, whose thread keeps "in all_reduce since t" in the record until the collective
-completes. ``rank0()`` marks its blocks itself (``mark``/``unmark``). Only the thread that runs
+completes. ``rank0()`` marks its blocks itself (``mark``/``unmark``). The time spent in a collective
+or waiting for rank 0's block adds up in ``Marks.waited``: the step report's time in collectives
+(``autoddp.in_rank.step_report``). Only the thread that runs
 the user's code is marked; code being traced by ``torch.compile`` and forked children pass
 through.
 
@@ -45,6 +47,8 @@ _BACKWARD = record.NAMES.index("backward")
 #: Marked beside the collectives: they wait for every rank too.
 _OTHERS = ("init_process_group", "new_group")
 _AT = record.STATE_OFFSET
+#: The kinds counted as waiting for the other ranks (DDP's backward is timed by the step report itself).
+_WAITING = (record.COLLECTIVE, record.WAITS_FOR_RANK0)
 
 
 class Marks:
@@ -64,6 +68,9 @@ class Marks:
         self.forks_watched = False
         self.pending = pending.Pending()
         self.functional = -1  # the last functional collective issued (its wait is shown as it)
+        #: Seconds spent waiting for the other ranks, in a collective or for rank 0's block, since
+        #: installed (the step report's time in collectives: ``in_rank.step_report``).
+        self.waited = 0.0
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -163,8 +170,11 @@ class Marks:
     # --- the record ---------------------------------------------------------------------------
 
     def _write(self, kind: int, name: int) -> None:
-        self.kind, self.sequence, self.since = kind, self.sequence + 1, time.monotonic()
-        record.STATE.pack_into(self.map, _AT, self.sequence, self.flags, kind, name, self.since)
+        now = time.monotonic()
+        if self.kind in _WAITING:  # a wait for the others ends
+            self.waited += now - self.since
+        self.kind, self.sequence, self.since = kind, self.sequence + 1, now
+        record.STATE.pack_into(self.map, _AT, self.sequence, self.flags, kind, name, now)
 
     def mark(self, kind: int, site: str) -> bool:
         """Mark a rank0() block (``record.WAITS_FOR_RANK0`` or ``RUNS_RANK0`` at ``site``).

@@ -5,7 +5,8 @@ and finishes its result while still inside the world (``prepare`` for a caller i
 process, ``portable`` for a result that travels back to the caller); then the group is left.
 The decorator's in-place path, its one-process path and every worker go through it; in a world
 of several processes the call runs under ``autoddp.in_rank.capture`` (unless the run turned it off) and,
-in a worker an autoddp launcher watches, with the hang report's marks (``autoddp.in_rank.hang.marks``).
+in a worker an autoddp launcher watches, with the hang report's marks (``autoddp.in_rank.hang.marks``)
+and the step report's clock (``autoddp.in_rank.step_report``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from autoddp.core import _containers, _warn, backends
 from autoddp.core.state import CURRENT, RunOptions, World
-from autoddp.in_rank import models
+from autoddp.in_rank import models, step_report
 from autoddp.in_rank._prepare import prepare, prepare_call
 from autoddp.in_rank.hang import marks
 from autoddp.in_rank.run_folder import finished
@@ -81,7 +82,8 @@ def run_in_world(job: Job, world: World, finish: Callable[[Any], Any]) -> Any:
         try:
             if world.world_size <= 1:
                 stack.enter_context(models.no_sync_at_one_process())  # (a no-op where nothing syncs)
-            with marks.marking(CURRENT.world or world):  # the hang report's record, in watched workers
+            here = CURRENT.world or world
+            with marks.marking(here), step_report.measuring(here):  # (in workers of autoddp's launcher)
                 args, kwargs, made_before = prepare_call(job.fn, job.args, job.kwargs)
                 with _capturing(job.options, CURRENT.world or world, made_before):
                     if world.world_size > 1:

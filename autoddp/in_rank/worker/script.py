@@ -12,7 +12,8 @@ capture first needs it. A script that makes its own group first (torchrun-style)
 After a script that ends well, the process groups left open (its own, or the one capture made)
 are destroyed at exit, after the script's own atexit hooks (``process_group.leave_open_groups``):
 an open gloo group can abort the exit. While the script runs in a worker the launcher watches,
-its collectives are marked for the hang report (``autoddp.in_rank.hang.marks``).
+its collectives are marked for the hang report (``autoddp.in_rank.hang.marks``) and its steps
+timed for the step report (``autoddp.in_rank.step_report``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from autoddp.core._compat import gloo_lines
 from autoddp.core._warn import say
 from autoddp.core.environment import hardware, preflight
 from autoddp.core.state import RunOptions, World
-from autoddp.in_rank import capture, models
+from autoddp.in_rank import capture, models, step_report
 from autoddp.in_rank.hang import marks
 from autoddp.in_rank.run_folder import finished, transport
 from autoddp.in_rank.worker import process, stdin
@@ -175,7 +176,8 @@ def _run_captured(argv: list[str], kept: KeptGroups) -> None:
     capture_on, options, timeout, argv = _runner_flags(argv)
     world = environment.detect().world()
     one = models.no_sync_at_one_process() if world.world_size <= 1 else _patches.Patches()
-    with marks.marking(world), _own_groups_checked(world, timeout), one:  # (the hang report's outermost)
+    # the hang report's marks outermost, then the step report's clock
+    with marks.marking(world), step_report.measuring(world), _own_groups_checked(world, timeout), one:
         session = _start_capture(capture_on, options, timeout)
         kept.install()
         try:
