@@ -23,6 +23,7 @@ Rank 0's trackers are left exactly as they are; the notice says whose values the
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import sys
@@ -315,5 +316,5 @@ class _Switch:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError:  # the library's own error, from the call itself
             return args, kwargs
-        bound.arguments.update(self.values)
+        bound.arguments.update(copy.deepcopy(self.values))  # (a dict the library may change: its own)
         return bound.args, bound.kwargs
