@@ -4,7 +4,8 @@ A ``Session`` (``session``) installs the hooks of each family around the user's 
 removes them after: ``optimizers`` (models found through their optimizers), ``loader_hooks``
 (DataLoaders sharded when iterated), ``saves`` (``torch.save`` written once, by rank 0),
 ``steps`` (backward, optimizer steps, a user's own DDP), ``devices`` (cuda:0 habits: the own
-GPU) and ``shared_files`` (files several ranks wrote). ``capturing`` runs a block under capture.
+GPU), ``trackers`` (wandb, TensorBoard, MLflow: one run, rank 0's) and ``shared_files`` (files
+several ranks wrote). ``capturing`` runs a block under capture.
 """
 
 from __future__ import annotations

@@ -19,11 +19,14 @@ patches it installs and removes around that code only:
   and every optimizer step (global step hook): what could not be distributed is said
   (``steps``, ``_undistributed``);
 - in a script, ``init_process_group``: the user's own group turns capture off, one called after
-  autoddp had to make the group is a clear error.
+  autoddp had to make the group is a clear error;
+- experiment trackers the user's code imports (``wandb.init``, TensorBoard's ``SummaryWriter``,
+  MLflow's ``start_run`` and ``log_*``): one run, rank 0's; the other ranks' make nothing
+  (``trackers``).
 
 Each family of hooks has its owner (``Optimizers``, ``Loaders``, ``Saves``, ``Steps``,
-``devices.Devices``) with its own patches; the session holds what they share. In a script the
-process group is made at the first moment capture needs it (``world``).
+``devices.Devices``, ``Trackers``) with its own patches; the session holds what they share. In a
+script the process group is made at the first moment capture needs it (``world``).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from autoddp.in_rank.capture.passes import Passes
 from autoddp.in_rank.capture.saves import Saves
 from autoddp.in_rank.capture.shared_files import SharedFiles, install_hook
 from autoddp.in_rank.capture.steps import Steps
+from autoddp.in_rank.capture.trackers import Trackers
 
 
 class Session:
@@ -80,6 +84,7 @@ class Session:
         self.saves = Saves(self)
         self.steps = Steps(self)
         self.children = Children(self)  # processes the user's code starts itself
+        self.trackers = Trackers(self, known)  # wandb, TensorBoard, MLflow: one run, rank 0's
         self.devices = devices.Devices(known, lambda: self.notice)  # cuda:0 habits: the own GPU
         if world is not None:
             self.world()
@@ -91,7 +96,7 @@ class Session:
             install_hook()
             self.registry.install()
             self.devices.install()
-            for family in (self.optimizers, self.loaders, self.steps, self.saves, self.children):
+            for family in self._families():
                 family.install()
             if self._join is not None:  # a script: the user may make the group themselves
                 patches = [(owner, "init_process_group") for owner in (dist, dist.distributed_c10d)]
@@ -121,7 +126,7 @@ class Session:
     def take_out(self) -> None:
         """Every hook out, and nothing else (also in a process the user's code forked: there the
         code runs as the user wrote it, and no rank waits for anything of its)."""
-        for family in (self.optimizers, self.loaders, self.steps, self.saves, self.children):
+        for family in self._families():
             family.uninstall()
         self._patches.restore()
         self.steps.remove_step_hook()
@@ -129,6 +134,10 @@ class Session:
         self.devices.uninstall()
         if CURRENT.capture is self:
             CURRENT.capture = None
+
+    def _families(self) -> tuple[Any, ...]:
+        """The owners of the hook families installed and taken out alike."""
+        return (self.optimizers, self.loaders, self.steps, self.saves, self.children, self.trackers)
 
     @contextlib.contextmanager
     def own_work(self) -> Iterator[None]:
