@@ -26,7 +26,8 @@ The captured contender runs in variants that switch autoddp's pieces off one aft
 
 then hand-written DDP with those global hooks on (``ddp under autoddp``: what a script that
 makes its own DDP pays under the command) and off (``ddp``: what torchrun runs). A piece costs
-the difference of the medians of two consecutive variants; what the last variant still costs
+the median over rounds of the difference between two consecutive variants' blocks of one round
+(each block's median step: blocks next to each other in time); what the last variant still costs
 over ``ddp`` is the routing of the model's calls through its DDP (``models._routing``). The
 second table times each check alone in a tight loop on rank 0: a lower bound, since in a real
 step its code and data are cold (on a shared 2-core VM, 3-10 times the tight-loop figure). The
@@ -150,26 +151,32 @@ def contenders(size: str) -> tuple[dict[str, tuple], Switches]:
     return table, Switches(model, optimizer)
 
 
-def phases(size: str, rounds: int, steps: int, clock_name: str) -> dict[str, dict[str, float]]:
-    """Median µs per phase of every contender, rounds of blocks in a rotating order."""
+def phases(size: str, rounds: int, steps: int, clock_name: str) -> dict[str, Any]:
+    """Median µs per phase of every contender, and each block's medians (rounds in a rotating order)."""
     clock = time.thread_time_ns if clock_name == "cpu" else time.perf_counter_ns
     table, switches = contenders(size)
     names = list(table)
     recorded: dict[str, dict[str, list[int]]] = {name: {p: [] for p in PHASES} for name in names}
+    blocks: dict[str, dict[str, list[float]]] = {name: {p: [] for p in PHASES} for name in names}
     warm_up = 3
     for number in range(warm_up + rounds):
         turn = number % len(names)
         for name in names[turn:] + names[:turn]:
             model, optimizer, data, pieces = table[name]
             dist.barrier()
-            rec = recorded[name] if number >= warm_up else {p: [] for p in PHASES}
+            block: dict[str, list[int]] = {p: [] for p in PHASES}
             with switches.off(pieces):
                 for _ in range(steps):
-                    timed_step(model, optimizer, data, clock, rec)
-    figures = {
+                    timed_step(model, optimizer, data, clock, block)
+            if number >= warm_up:
+                for phase, spent in block.items():
+                    recorded[name][phase] += spent
+                    blocks[name][phase].append(statistics.median(spent) / 1e3)
+    figures: dict[str, Any] = {
         name: {p: statistics.median(v) / 1e3 for p, v in rec.items()} for name, rec in recorded.items()
     }
-    figures["_switches"] = switches  # (for the tight loops; taken out before returning)
+    figures["_blocks"] = blocks  # (for the paired differences; taken out before returning)
+    figures["_switches"] = switches  # (for the tight loops)
     figures["_table"] = table
     return figures
 
@@ -242,6 +249,7 @@ def measure(size: str, rounds: int, steps: int, clock: str) -> dict[str, Any]:
     """The decorated function's body: the phases on every rank, the tight loops on rank 0."""
     figures = phases(size, rounds, steps, clock)
     switches, table = figures.pop("_switches"), figures.pop("_table")
+    figures["pieces_us"] = pieces(figures.pop("_blocks"))
     if dist.get_rank() == 0:
         figures["tight_loops_us"] = tight_loops(table, switches)
     dist.barrier()
@@ -249,18 +257,22 @@ def measure(size: str, rounds: int, steps: int, clock: str) -> dict[str, Any]:
     return figures
 
 
-def pieces(figures: dict[str, Any]) -> dict[str, dict[str, float]]:
+def _paired(blocks: dict[str, dict[str, list[float]]], ours: str, theirs: str) -> dict[str, float]:
+    """Per phase, the median over rounds of ``ours`` block minus ``theirs`` block of the same round
+    (blocks next to each other in time: the machine's drift falls on both)."""
+    return {
+        p: statistics.median(a - b for a, b in zip(blocks[ours][p], blocks[theirs][p], strict=True))
+        for p in PHASES
+    }
+
+
+def pieces(blocks: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
     """Each piece's µs per phase: consecutive variants' difference; the routing: the last over ``ddp``."""
     chain = [*VARIANTS, "ddp"]
     names = ["ledger", "guard", "sampler", "hang marks", "capture hooks", "routing (the rest)"]
-    found = {
-        name: {p: figures[chain[i]][p] - figures[chain[i + 1]][p] for p in PHASES}
-        for i, name in enumerate(names)
-    }
-    found["all of autoddp"] = {p: figures["captured"][p] - figures["ddp"][p] for p in PHASES}
-    found["hooks on a hand-written DDP"] = {
-        p: figures["ddp under autoddp"][p] - figures["ddp"][p] for p in PHASES
-    }
+    found = {name: _paired(blocks, chain[i], chain[i + 1]) for i, name in enumerate(names)}
+    found["all of autoddp"] = _paired(blocks, "captured", "ddp")
+    found["hooks on a hand-written DDP"] = _paired(blocks, "ddp under autoddp", "ddp")
     return found
 
 
@@ -283,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'':28}" + "".join(f"{p:>10}" for p in PHASES))
     for name in (*VARIANTS, *BASELINES):
         print(f"{name:28}" + "".join(f"{figures[name][p]:10.1f}" for p in PHASES))
-    split = pieces(figures)
-    print("what each piece costs (difference of medians):")
+    split = figures.pop("pieces_us")
+    print("what each piece costs (median over rounds of the difference of two blocks in one round):")
     for name, cost in split.items():
         print(f"{name:28}" + "".join(f"{cost[p]:+10.1f}" for p in PHASES))
     print("each check alone, tight loop (µs per step):")
