@@ -29,7 +29,11 @@ The contenders are small scripts in this folder:
 - ``memory.py``: peak memory per rank and step time of hand-written DDP, autoddp's DDP and
   strategy="fsdp";
 - ``epoch_time.py`` (run on its own): epoch time of an unchanged CPU-bound script
-  (``train_epochs.py``) under ``autoddp -n N`` against the same training under torchrun.
+  (``train_epochs.py``) under ``autoddp -n N`` against the same training under torchrun;
+- ``accumulation.py`` (run on its own): gradient accumulation (K = 8 micro-batches) left as one
+  process writes it under autoddp, against hand-written DDP with and without ``no_sync``: step
+  times and all-reduces per optimizer step;
+- ``step_parts.py`` (run on its own): what each piece autoddp adds to a training step costs.
 """
 
 from __future__ import annotations

@@ -58,20 +58,28 @@ def map_items(obj: T, fn: Callable[[Any], Any]) -> T:
     return obj
 
 
-def leaves(obj: Any) -> Iterator[Any]:
+def leaves(obj: Any) -> Iterable[Any]:
     """Every item inside ``obj`` that is not itself a container, however deep (the containers
-    ``map_items`` walks: lists, tuples, dicts, dataclasses)."""
+    ``map_items`` walks: lists, tuples, dicts, dataclasses).
+
+    Anything but a container is its own one leaf, handed back without a generator: a model's
+    output tensor, looked at on every training step, costs two type checks.
+    """
+    if isinstance(obj, (dict, list, tuple)) or (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
+        return _leaves(obj)
+    return (obj,)
+
+
+def _leaves(obj: Any) -> Iterator[Any]:
     if isinstance(obj, dict):
         for value in obj.values():
             yield from leaves(value)
     elif isinstance(obj, (list, tuple)):
         for item in obj:
             yield from leaves(item)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+    else:  # a dataclass instance
         for field in dataclasses.fields(obj):
             yield from leaves(getattr(obj, field.name))
-    else:
-        yield obj
 
 
 def reachable(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import sys
 import warnings
 
 import pytest
@@ -441,6 +442,38 @@ def test_other_samplers_are_shared_out_disjointly():
     again = _other_samplers(0)
     assert again["weighted"] == out["weighted"] and again["subset"] == out["subset"]
     assert _other_samplers(1)["weighted"] != out["weighted"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_sharded_pass_hands_out_its_items_without_a_python_frame_each(shuffle):
+    """The training step's data: torch's DistributedSampler hands out a list's items, and so does
+    autoddp's (no generator of its own resumed per item), with one process's draws (the pass's
+    seed) made on the user's stream as that sampler's pass makes them."""
+    from autoddp.in_rank.data.samplers import AutoEpochSampler
+
+    data = range(4096)
+    original = RandomSampler(data) if shuffle else SequentialSampler(data)
+    sampler = AutoEpochSampler(
+        data, world=World(rank=1, world_size=2), shuffle=shuffle, seed=7, original=original
+    )
+    sampler.set_epoch(1)
+    list(sampler)  # epoch 1 (what a first pass imports is not counted)
+    torch.manual_seed(3)
+    calls = []
+    sys.setprofile(lambda frame, event, arg: calls.append(frame.f_code.co_name) if event == "call" else None)
+    try:
+        items = list(sampler)
+    finally:
+        sys.setprofile(None)
+    after = torch.get_rng_state()
+    torch.manual_seed(3)
+    list(original)  # one process's pass
+    assert torch.equal(after, torch.get_rng_state())
+    torch_order = DistributedSampler(data, num_replicas=2, rank=1, shuffle=shuffle, seed=7)
+    torch_order.set_epoch(2)
+    assert items == list(torch_order)
+    assert len(calls) < 30, calls[:40]  # a few per pass, not 2048 (one per item)
 
 
 # -- loaders left alone --------------------------------------------------------------------------

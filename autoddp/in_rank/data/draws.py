@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
 import itertools
 import random
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -86,6 +87,13 @@ class OneProcessDraws:
             return self.sampler.generator is None
         return self.replays_itself
 
+    def _seed_only(self) -> bool:
+        """True for ``RandomSampler`` without a generator: a pass draws only its seed from the
+        user's streams, then permutes on a generator of its own. That seed is drawn without the
+        permutation (a list of the whole data set per pass, for nothing), where a real pass showed
+        it is all (``_only_a_seed``)."""
+        return type(self.sampler) is RandomSampler and self.sampler.generator is None and _only_a_seed()
+
     def _copy(self) -> Any:
         shared: dict[int, Any] = {}
         generator = getattr(self.sampler, "generator", None)
@@ -98,20 +106,64 @@ class OneProcessDraws:
         """``items`` (this rank's share of ``world_size``) unchanged, with one process's draws made
         on the user's streams beside them. The rest of one process's pass is at most the other
         ranks' shares (a copy that would run on for ever is never waited for)."""
+        return itertools.chain.from_iterable(self.parts(items, world_size))
+
+    def parts(self, items: Iterator[Any], world_size: int) -> Iterator[Iterable[Any]]:
+        """``follow``'s items in consecutive parts, nothing drawn before the first is asked for.
+
+        Where one process's first item made every draw of its pass (torch's samplers without a
+        generator of their own), the rest is ``items`` itself: a chain over the parts hands those
+        out at C speed, no Python frame per item (``benchmarks/step_parts.py``).
+        """
+        if self._seed_only():  # one process's pass draws its seed at its first item, nothing else
+            items = iter(items)
+            for item in items:
+                _draw_seed()
+                yield (item,)
+                break
+            yield items
+            return
         shadow, items = iter(self.sampler if self.replays_itself else self._copy()), iter(items)
         if self._all_at_start():  # one process's first item made every draw its pass makes
             for item in items:
                 next(shadow, None)
-                yield item
+                yield (item,)
                 break
-            yield from items
+            yield items
             return
-        taken = 0
-        for item in items:
-            next(shadow, None)
-            taken += 1
-            yield item
-        collections.deque(itertools.islice(shadow, taken * (world_size - 1) + world_size), maxlen=0)
+        yield _in_step(shadow, items, world_size)
+
+
+def _in_step(shadow: Iterator[Any], items: Iterator[Any], world_size: int) -> Iterator[Any]:
+    """``items``, one process's pass ``shadow`` taken in step, then the rest of it."""
+    taken = 0
+    for item in items:
+        next(shadow, None)
+        taken += 1
+        yield item
+    collections.deque(itertools.islice(shadow, taken * (world_size - 1) + world_size), maxlen=0)
+
+
+def _draw_seed() -> None:
+    """What ``RandomSampler`` without a generator draws from torch's global generator per pass."""
+    torch.empty((), dtype=torch.int64).random_()
+
+
+@functools.cache
+def _only_a_seed() -> bool:
+    """Whether a whole pass of torch's ``RandomSampler`` without a generator moves the user's
+    streams (torch's and ``random``'s) exactly as ``_draw_seed`` does: checked once per process on
+    a real pass, the streams put back after; a torch release drawing otherwise is replayed whole."""
+    held = streams.states()
+    try:
+        list(RandomSampler(range(3)))
+        passed = streams.states()
+        streams.set_states(held)
+        _draw_seed()
+        drawn = streams.states()
+        return torch.equal(passed[0], drawn[0]) and passed[1] == drawn[1]
+    finally:
+        streams.set_states(held)
 
 
 def _data_in(owner: Any, shared: dict[int, Any], depth: int) -> None:

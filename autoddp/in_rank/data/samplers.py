@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from torch.utils.data.distributed import DistributedSampler
@@ -70,13 +70,20 @@ class AutoEpochSampler(DistributedSampler):
         self._next_epoch = self.epoch + 1
 
     def __iter__(self) -> Iterator[Any]:
+        # A chain over the pass's parts: lazy (nothing happens before the first item is asked
+        # for), and each item handed out without a Python frame of ours (the training step's).
+        return itertools.chain.from_iterable(self._pass())
+
+    def _pass(self) -> Iterator[Iterable[Any]]:
         self._begin_pass()
         yield from _beside(self.one_process, super().__iter__(), self.num_replicas)
 
 
-def _beside(one_process: OneProcessDraws | None, items: Iterator[Any], world_size: int) -> Iterator[Any]:
-    """``items``, with one process's draws made on the user's streams beside them when known."""
-    return items if one_process is None else one_process.follow(items, world_size)
+def _beside(
+    one_process: OneProcessDraws | None, items: Iterator[Any], world_size: int
+) -> Iterator[Iterable[Any]]:
+    """``items`` in parts, with one process's draws made on the user's streams beside them when known."""
+    return iter((items,)) if one_process is None else one_process.parts(items, world_size)
 
 
 class ShardedSampler(AutoEpochSampler):
@@ -104,7 +111,7 @@ class ShardedSampler(AutoEpochSampler):
         self.sampler = sampler
         self.one_process = OneProcessDraws.of(sampler)
 
-    def __iter__(self) -> Iterator[Any]:
+    def _pass(self) -> Iterator[Iterable[Any]]:
         self._begin_pass()
         private = streams.Private((self.seed + self.epoch) % 2**64)
         parts = _parts(self.sampler, private, self.CHUNK * self.num_replicas)

@@ -46,15 +46,14 @@ class UpdatedBuffers:
 
     def __init__(self, rank: int) -> None:
         self.looks = self.LOOKS if rank == 0 else 0  # said by rank 0 only: every rank would say the same
-
-    @property
-    def looking(self) -> bool:
-        """Whether the next forward is still looked at (after that, the forward costs nothing)."""
-        return self.looks > 0
+        #: Whether the next forward is still looked at (after that, the forward costs nothing): a
+        #: plain attribute, read at every forward through the DDP (no property call there).
+        self.looking = self.looks > 0
 
     def around(self, module: torch.nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Run the module's own ``forward`` (inside DDP's, after its buffer broadcast) and look."""
         self.looks -= 1
+        self.looking = self.looks > 0
         versions = {name: _compat.version(buffer) for name, buffer in _own_statistics(module)}
         result = forward(module, *args, **kwargs)
         self._say_changed(module, versions)
@@ -67,7 +66,7 @@ class UpdatedBuffers:
         ]
         if not changed:
             return
-        self.looks = 0
+        self.looks, self.looking = 0, False
         named = ", ".join(changed[:4]) + (" ..." if len(changed) > 4 else "")
         _warn.warn(
             f"{type(module).__name__}'s forward updates buffers ({named}), running statistics that DDP "
