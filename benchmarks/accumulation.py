@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16, help="samples per micro-batch per process")
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args(argv)
-    run = autoddp.distributed(nproc=args.nproc, backend="gloo")(measure)
+    # (no step report: the three contenders take turns in the same workers)
+    run = autoddp.distributed(nproc=args.nproc, backend="gloo", step_report=False)(measure)
     summary = summarise(run(args.width, args.batch, args.micro_steps, args.rounds), args.micro_steps)
     ms, calls, syncs = (
         summary["step_ms"],

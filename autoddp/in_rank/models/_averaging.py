@@ -37,17 +37,17 @@ class _Guard:
 
     def __init__(self) -> None:
         self.models: list[torch.nn.Module] = []
-        self.seen: dict[int, tuple[int, int]] = {}  # id(model) -> (DDP forwards, bypasses)
+        self.seen: list[tuple[int, int]] = []  # per model, in the order of models: (forwards, bypasses)
 
     def add(self, models: list[torch.nn.Module]) -> None:
         for model in models:
             replica = model.__dict__.get(_routing.REPLICA_ATTR)
-            if replica is not None and id(model) not in self.seen:
+            if replica is not None and not any(known is model for known in self.models):
                 replica.watch_submodules(model)  # (the counts this hook compares)
                 if CURRENT.capture is not None and replica.window is None:
                     replica.window = _window.Window()  # (capture averages what reads gradients early)
                 self.models.append(model)
-                self.seen[id(model)] = (replica.forwards, replica.bypasses)
+                self.seen.append((replica.forwards, replica.bypasses))
 
     def __call__(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         if _reduction.stepping_in_backward():  # a step from a hook: DDP has not averaged yet
@@ -66,11 +66,11 @@ class _Guard:
 
     def check(self) -> None:
         """Average the gradients of each model whose ``.grad`` DDP did not (wholly) average."""
-        for model in self.models:
+        for index, model in enumerate(self.models):
             replica = model.__dict__.get(_routing.REPLICA_ATTR)
             if replica is None:
                 continue
-            forwards, bypasses = self.seen[id(model)]
+            forwards, bypasses = self.seen[index]
             unseen = replica.forwards == forwards
             unreduced = replica.reduction.take()  # (taken by the first optimizer: it averages all)
             if unseen or unreduced or replica.bypasses != bypasses:
@@ -80,7 +80,7 @@ class _Guard:
                     self._say(model, reason, _WORDS[reason](type(model).__name__))
             if replica.window is not None:
                 replica.window.stepped(replica.forwards)
-            self.seen[id(model)] = (replica.forwards, replica.bypasses)
+            self.seen[index] = (replica.forwards, replica.bypasses)
 
     def _closure(self, closure: Callable[[], Any]) -> Any:
         """``step(closure)``'s closure: its gradients checked, its loss the mean over the processes.

@@ -67,7 +67,12 @@ class Ledger:
     def forwarded(self, result: Any, synced: bool) -> None:
         """A forward with gradients went through the DDP: hook its outputs (``synced``: not in no_sync)."""
         self.pending = self.pending or synced
-        on_backward(result, self.reached if synced else self.reached_deferred)
+        hook = self.reached if synced else self.reached_deferred
+        if type(result) is torch.Tensor:  # the usual output: hooked directly, nothing walked
+            if result.requires_grad:
+                result.register_hook(hook)
+        else:
+            on_backward(result, hook)
 
     def reached(self, grad: torch.Tensor) -> None:
         """A backward (or ``torch.autograd.grad``) reached a forward's outputs: did DDP average it?"""

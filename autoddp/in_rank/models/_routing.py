@@ -79,14 +79,17 @@ _ROUTING = _Routing()
 
 
 def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    replica = self.__dict__.get(REPLICA_ATTR)
+    if replica is not None and replica.inside:  # DDP's forward calling the module: its own call
+        plain = getattr(type(self), _class_swap.PLAIN_CLASS)
+        if replica.updated_buffers.looking:
+            # After DDP's buffer broadcast, which bumps every buffer's version on some torch
+            # releases (2.4), so only the forward's updates count.
+            return replica.updated_buffers.around(self, plain.__call__, args, kwargs)
+        return plain.__call__(self, *args, **kwargs)
     if torch.compiler.is_compiling():  # traced: a torch.compile result made after the wrapping
         return torch.compiler.disable(_adopt_compile)(self, args, kwargs)
     plain = getattr(type(self), _class_swap.PLAIN_CLASS)
-    replica = self.__dict__.get(REPLICA_ATTR)
-    if replica is not None and replica.inside and replica.updated_buffers.looking:
-        # The module's own forward inside its DDP's: after DDP's buffer broadcast, which bumps
-        # every buffer's version on some torch releases (2.4), so only the forward's updates count.
-        return replica.updated_buffers.around(self, plain.__call__, args, kwargs)
     if replica is None or _ROUTING.inside or not torch.is_grad_enabled():
         return plain.__call__(self, *args, **kwargs)
     ddp = replica.for_call(self, args, kwargs)
