@@ -54,10 +54,18 @@ def _issued() -> int:
     return _compat.collectives_issued() if dist.is_initialized() else 0
 
 
-def _train(steps: list[int], rank: int | None, *, scaler: bool = False, own_no_sync: bool = False):
+def _train(
+    steps: list[int],
+    rank: int | None,
+    *,
+    scaler: bool = False,
+    own_no_sync: bool = False,
+    retain: bool = False,
+):
     """Train on ``steps`` windows; ``rank`` None: one process with the global batch.
 
-    Returns per step the all-reduces issued and the norm ``clip_grad_norm_`` saw, then the weights.
+    Returns per step the collectives issued and the norms ``clip_grad_norm_`` and a reading by hand
+    saw, then the weights. ``retain``: the last micro-step's loss goes backward twice.
     """
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -73,10 +81,13 @@ def _train(steps: list[int], rank: int | None, *, scaler: bool = False, own_no_s
             with model.no_sync() if own_no_sync and rank is not None and not last else _nothing():
                 loss = nn.functional.mse_loss(model(x), y) / k
                 before = _issued() if before is None else before  # (after the first forward's broadcast)
+                if retain and last:
+                    loss.backward(retain_graph=True)
                 (grad_scaler.scale(loss) if scaler else loss).backward()
+        hand = float(sum(p.grad.pow(2).sum() for p in model.parameters()) ** 0.5)  # (before clip's)
         if scaler:
             grad_scaler.unscale_(optimizer)
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 100.0)))
+        norms.append((float(torch.nn.utils.clip_grad_norm_(model.parameters(), 100.0)), hand))
         if scaler:
             grad_scaler.step(optimizer)
             grad_scaler.update()
@@ -113,6 +124,33 @@ def _train_gan(rank: int | None, iterations: int = 6):
     return counts, [p.detach().clone() for m in (g, d) for p in m.parameters()]
 
 
+def _train_sam(rank: int | None, steps: int = 5, rho: float = 0.05):
+    """Sharpness-aware minimisation (two backward passes per step, the first one's gradients read
+    by hand to move the weights): per step the gradient norm it read, then the weights."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs, targets = _data([steps])
+    norms = []
+    for i in range(steps):
+        x = inputs[i].reshape(-1, 8) if rank is None else inputs[i, rank]
+        y = targets[i].reshape(-1, 1) if rank is None else targets[i, rank]
+        nn.functional.mse_loss(model(x), y).backward()
+        with torch.no_grad():
+            norm = torch.norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+            moves = [rho * p.grad / (norm + 1e-12) for p in model.parameters()]
+            for p, move in zip(model.parameters(), moves, strict=True):
+                p.add_(move)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        with torch.no_grad():
+            for p, move in zip(model.parameters(), moves, strict=True):
+                p.sub_(move)
+        optimizer.step()
+        optimizer.zero_grad()
+        norms.append(float(norm))
+    return norms, [p.detach().clone() for p in model.parameters()]
+
+
 class _nothing:
     def __enter__(self):
         return None
@@ -125,13 +163,14 @@ RUNS = {
     **{name: (steps, {}) for name, steps in WINDOWS.items()},
     "scaler": (WINDOWS["irregular"], {"scaler": True}),
     "own no_sync": ([4] * 4, {"own_no_sync": True}),
+    "second backward": ([2] * 4, {"retain": True}),
 }
 
 
 @autoddp.distributed(nproc=_WORLD)
 def _runs(runs: dict[str, tuple[list[int], dict]]):
     found = {name: _train(steps, autoddp.rank(), **extra) for name, (steps, extra) in runs.items()}
-    return found, _train_gan(autoddp.rank())
+    return found, _train_gan(autoddp.rank()), _train_sam(autoddp.rank())
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +181,16 @@ def both():
 @pytest.fixture(scope="module")
 def results(both):
     return both[0]
+
+
+def test_sharpness_aware_minimisation_reads_averaged_gradients(both):
+    """Two backward passes per step whose first one's gradients move the weights: no accumulation,
+    so nothing is deferred (the weights change inside the window), and every norm is one process's."""
+    norms, weights = both[2]
+    reference_norms, reference = _train_sam(None)
+    assert norms == pytest.approx(reference_norms, rel=1e-5)
+    for ours, theirs in zip(weights, reference, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
 
 
 def test_two_models_with_two_optimizers_keep_one_process_weights(both):
@@ -159,7 +208,11 @@ def test_weights_and_clipped_norms_equal_one_process(results, name):
     steps, extra = RUNS[name]
     _, norms, weights = results[name]
     _, reference_norms, reference = _train(steps, None, **extra)
-    assert norms == pytest.approx(reference_norms, rel=1e-5)
+    clipped, theirs = [n[0] for n in norms], [n[0] for n in reference_norms]
+    assert clipped == pytest.approx(theirs, rel=1e-5)  # clip_grad_norm_ averages what is still local
+    if len(set(steps)) == 1 and not extra:  # (a window the steps foretell; DDP's own averaging)
+        by_hand, theirs = [n[1] for n in norms], [n[1] for n in reference_norms]
+        assert by_hand == pytest.approx(theirs, rel=1e-5)  # gradients read by hand before step()
     for ours, theirs in zip(weights, reference, strict=True):
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
 

@@ -106,7 +106,7 @@ class Steps:
         @functools.wraps(original)
         def reading(*args: Any, **kwargs: Any) -> Any:
             if not session.busy:
-                models.average_deferred()
+                models.average_before_read()
             return original(*args, **kwargs)
 
         return reading

@@ -20,7 +20,7 @@ from autoddp.core.environment import hardware
 from autoddp.core.errors import ConfigurationError
 from autoddp.core.state import RunOptions, World
 from autoddp.in_rank.models import _rebind, ddp, fsdp
-from autoddp.in_rank.models._averaging import average_deferred, guard_optimizer
+from autoddp.in_rank.models._averaging import average_before_read, guard_optimizer
 from autoddp.in_rank.models._fsdp_state import (
     bind_optimizer,
     full_tensors,
@@ -47,7 +47,7 @@ __all__ = [
     "ddp_being_built",
     # the optimizers' side: ``_averaging``, ``_fsdp_state``
     "guard_optimizer",
-    "average_deferred",
+    "average_before_read",
     "training_pass",
     "bind_optimizer",
     "optimizer_state_dict",

@@ -45,7 +45,8 @@ class _Guard:
             if replica is not None and not any(known is model for known in self.models):
                 replica.watch_submodules(model)  # (the counts this hook compares)
                 if CURRENT.capture is not None and replica.window is None:
-                    replica.window = _window.Window()  # (capture averages what reads gradients early)
+                    probe = next((p for p in model.parameters() if p.requires_grad), None)
+                    replica.window = _window.Window(probe)  # (capture averages what reads gradients early)
                 self.models.append(model)
                 self.seen.append((replica.forwards, replica.bypasses))
 
@@ -93,12 +94,16 @@ class _Guard:
         return _global_value(loss)
 
     def _say(self, model: torch.nn.Module, reason: str, text: str) -> None:
-        """Said once per model and reason, whichever of its optimizers (one per parameter) stepped."""
-        replica = model.__dict__.get(_routing.REPLICA_ATTR)
-        said = replica.reduction.said if replica is not None else set()
-        if reason not in said:
-            said.add(reason)
-            _warn.warn(text)
+        _say_once(model, reason, text)
+
+
+def _say_once(model: torch.nn.Module, reason: str, text: str) -> None:
+    """Said once per model and reason, whichever of its optimizers (one per parameter) stepped."""
+    replica = model.__dict__.get(_routing.REPLICA_ATTR)
+    said = replica.reduction.said if replica is not None else set()
+    if reason not in said:
+        said.add(reason)
+        _warn.warn(text)
 
 
 def _without_ddp(name: str) -> str:
@@ -194,19 +199,21 @@ def guard(optimizer: torch.optim.Optimizer, models: list[torch.nn.Module]) -> No
     optimizer.__dict__[_GUARDED] = hook
 
 
-def average_deferred() -> None:
-    """Average now the gradients that backward passes in ``no_sync`` left local (before they are read:
-    ``clip_grad_norm_``, ``GradScaler.unscale_``), in every model wrapped in this run.
+def average_before_read() -> None:
+    """Average now, in every model wrapped in this run, the gradients ``step()`` would average
+    (``no_sync``'s, a second backward's, ``torch.autograd.grad``'s put into ``.grad``), before
+    something reads them (``clip_grad_norm_``, ``GradScaler.unscale_``): it sees one process's.
 
-    A collective where some model has such gradients; every rank has the same ones (the windows are
-    decided alike everywhere).
+    A collective where some model has such gradients; every rank has the same ones (the windows and
+    the backward passes are alike everywhere).
     """
     for model in CURRENT.wrapped_models():
         replica = model.__dict__.get(_routing.REPLICA_ATTR)
-        window = replica.window if replica is not None else None
-        if window is not None and replica.reduction.unreduced == _reduction.DEFERRED:
-            replica.reduction.take()
-            _average([p for p in model.parameters() if p.requires_grad])
+        if replica is None or not replica.watched or replica.reduction.unreduced is None:
+            continue
+        reason = replica.reduction.take()
+        if _average([p for p in model.parameters() if p.requires_grad]) and reason != _reduction.DEFERRED:
+            _say_once(model, reason, _WORDS[reason](type(model).__name__))
 
 
 #: The most bytes of gradients one all-reduce of ``_average`` carries (DDP's default bucket size).
