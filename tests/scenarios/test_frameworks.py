@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import pathlib
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -38,6 +39,12 @@ def launched(tmp_path, script, *args: str, autoddp: tuple[tuple[str, ...], ...] 
     commands = [[*run, str(script), str(path), *args] for run, path in zip(runs, paths, strict=True)]
     with ThreadPoolExecutor(len(commands)) as pool:
         done = list(pool.map(lambda command: run_python(command, cwd=tmp_path, timeout=200), commands))
+    if done[0].returncode != 0 and "Signal 6 (SIGABRT)" in done[0].stderr:
+        # Plain torchrun (no autoddp in it) had a worker abort in gloo at its end on CI's loaded
+        # machine ("terminate called without an active exception"): the baseline gets one more run.
+        said = done[0].stderr[-300:]
+        warnings.warn(f"the torchrun baseline aborted once and ran again: {said}", stacklevel=1)
+        done[0] = run_python(commands[0], cwd=tmp_path, timeout=200)
     for command, result in zip(commands, done, strict=True):
         assert result.returncode == 0, f"{command[:6]}:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     return [torch.load(path) for path in paths]
