@@ -8,10 +8,15 @@ The same thread notes whether another node is already at the next attempt or has
 (``ahead``, elastic's ``num_nodes_waiting``), so that elastic's agent never waits on the network
 itself. Its store operations, and the launcher's last words after a failure (``call``), give up
 after seconds: a node cut off from node 0 still ends within seconds of its workers.
+
+A store operation given up on goes on in its thread until the store's own timeout. The process
+waits for such threads at its exit (``settle``): one that came back from torch's C++ while Python
+was shutting down would abort the launcher ("terminate called without an active exception").
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import threading
@@ -24,6 +29,7 @@ from autoddp.core._warn import say
 LOST_AFTER = 5.0  # seconds without a pulse before a node is said to be unreachable
 _PERIOD = 1.0
 _TIMEOUT = 5.0  # each store operation of this client
+_SETTLE = _TIMEOUT + 2.0  # seconds after its start that a store call surely came back by
 
 
 class Beat:
@@ -49,6 +55,8 @@ class Beat:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._calls: dict[threading.Thread, float] = {}  # store calls in flight -> when each started
+        atexit.register(self.settle)
 
     def start(self, attempt: int) -> None:
         """(Again) after each meeting: the others' counts are watched from now on."""
@@ -87,8 +95,11 @@ class Beat:
                         raise
             except Exception as error:
                 done.append((False, error))
+            finally:
+                self._calls.pop(threading.current_thread(), None)
 
         thread = threading.Thread(target=run, name="autoddp-store-call", daemon=True)
+        self._calls[thread] = time.monotonic()
         thread.start()
         thread.join(timeout)
         if not done:
@@ -99,6 +110,13 @@ class Beat:
         if not ok:
             raise value
         return value
+
+    def settle(self) -> None:
+        """Wait for the store calls still in flight, each until its operations' timeout has surely
+        passed (at the process's exit: a call that came back from C++ while Python shut down
+        would abort the process)."""
+        for thread, started in list(self._calls.items()):
+            thread.join(max(0.0, started + _SETTLE - time.monotonic()))
 
     def _run(self) -> None:
         while not self._stop.wait(_PERIOD):

@@ -116,7 +116,10 @@ def test_body_runs_once_and_every_rank_waits_for_it(tmp_path):
 def test_three_ranks_share_each_outcome_and_clean_up(tmp_path):
     log = str(tmp_path / "body.log")
 
-    @autoddp.distributed(nproc=3)
+    # It ran past pytest's 120 s once on CI's loaded machine, and never here (40 runs under load):
+    # a rank stuck for 20 s now has the hang report print every rank's stack, and one stuck for
+    # 60 s ends the run with its error, so that a next time says where.
+    @autoddp.distributed(nproc=3, hang_report=20, timeout=60)
     def train():
         store = dist.distributed_c10d._get_default_store()
         dist.barrier()

@@ -12,7 +12,7 @@ from helpers import free_port, speaking
 
 from autoddp import ConfigurationError
 from autoddp.launch import plan as nodes
-from conftest import GLOO_TIMEOUT, LAUNCHER_NAMES, LAUNCHER_PREFIXES, write
+from conftest import GLOO_TIMEOUT, LAUNCHER_NAMES, LAUNCHER_PREFIXES, run_python, write
 
 
 def _both(commands, env=None):
@@ -210,3 +210,35 @@ def test_a_timeout_on_two_nodes_is_triaged_as_on_one(two_runs):
     assert out0.startswith("RuntimeError: ") and GLOO_TIMEOUT.search(out0), out0
     assert re.search(r"\nautoddp: \[rank [01] of 4\] raised this", out0), out0
     assert "the failure began there" in out0, out0
+
+
+def test_a_store_call_given_up_on_does_not_abort_the_launcher_at_its_exit(tmp_path):
+    """The heartbeat gives up on a store call after its timeout, but the call goes on in its thread;
+    one that came back from C++ while Python was shutting down aborted the launcher (SIGABRT,
+    "terminate called without an active exception", seen on node 1 after its Ctrl-C). Here the
+    call comes back during the interpreter's shutdown on purpose: the launcher must wait for it."""
+    script = write(
+        tmp_path / "exits.py",
+        """
+        import datetime, time
+        from torch.distributed import TCPStore
+        from autoddp.launch.heartbeat import Beat
+
+        server = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+        beat = Beat("127.0.0.1", server.port, "x/", 0, 1)
+        try:
+            beat.call(lambda store: store.wait(["never"], datetime.timedelta(seconds=1)), timeout=0.2)
+        except TimeoutError:
+            print("given up", flush=True)
+
+
+        class Late:
+            def __del__(self):  # deleted with the module's globals, when Python is shutting down
+                time.sleep(2)
+
+
+        late = Late()
+        """,
+    )
+    done = run_python([str(script)], timeout=60)
+    assert (done.returncode, done.stdout) == (0, "given up\n"), done.stderr[-2000:]
