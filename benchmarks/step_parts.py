@@ -14,9 +14,12 @@ rank in the all-reduce and by other programs' load, so that a few µs show on a 
 
 The captured contender runs in variants that switch autoddp's pieces off one after another:
 
-- ``captured``: all of it;
-- ``- ledger``: the hook on each forward's outputs that tells the step guard which backward
-  passes DDP averaged (``models._reduction``; ``replica.watched``);
+- ``decorated``: all of it, as under the decorator, where the ledger hooks every forward's outputs
+  (``CURRENT.retained``: names bound before the decorated call are not counted);
+- ``captured``: as under the command, where the ledger hooks no output until a backward keeps its
+  graph (``models._reduction``);
+- ``- ledger``: the rest of the ledger, which tells the step guard which backward passes DDP
+  averaged (``models._reduction``; ``replica.watched``);
 - ``- guard``: the optimizer's step pre-hook that averages gradients DDP did not
   (``models._averaging``);
 - ``- sampler``: autoddp's sharded sampler (its loader is swapped for hand-written DDP's);
@@ -64,7 +67,7 @@ from common import BATCH_SIZE, make_dataset, make_model
 
 PHASES = ("data", "forward", "zero_grad", "backward", "step", "total")
 #: The captured contender's variants, each switching off one more piece (module docstring).
-VARIANTS = ("captured", "- ledger", "- guard", "- sampler", "- hang marks", "- capture hooks")
+VARIANTS = ("decorated", "captured", "- ledger", "- guard", "- sampler", "- hang marks", "- capture hooks")
 BASELINES = ("ddp under autoddp", "ddp")
 
 
@@ -111,17 +114,19 @@ class Switches:
     @contextlib.contextmanager
     def off(self, pieces: int) -> Iterator[None]:
         """The first ``pieces`` pieces of ``VARIANTS[1:]`` off for a ``with`` block."""
-        self.replica.watched = pieces < 1
-        if pieces >= 2:
+        CURRENT.retained = pieces < 1
+        self.replica.watched = pieces < 2
+        if pieces >= 3:
             self.optimizer._optimizer_step_pre_hooks.clear()
-        if pieces >= 4:
-            marks.MARKS.thread = -2  # (the marks' wrappers pass through: not this thread's calls)
         if pieces >= 5:
+            marks.MARKS.thread = -2  # (the marks' wrappers pass through: not this thread's calls)
+        if pieces >= 6:
             torch.autograd.backward = self.plain_backward
             torch_optimizer._global_optimizer_pre_hooks.clear()
         try:
             yield
         finally:
+            CURRENT.retained = True
             self.replica.watched = True
             self.optimizer._optimizer_step_pre_hooks.update(self.guard)
             marks.MARKS.thread = self.marked_thread
@@ -143,7 +148,7 @@ def contenders(size: str) -> tuple[dict[str, tuple], Switches]:
     ddp_sampler = DistributedSampler(dataset, shuffle=True)
     ddp_batches = batches(DataLoader(dataset, batch_size=BATCH_SIZE, sampler=ddp_sampler), ddp_sampler)
     table = {
-        name: (model, optimizer, captured if pieces < 3 else own, pieces)
+        name: (model, optimizer, captured if pieces < 4 else own, pieces)
         for pieces, name in enumerate(VARIANTS)
     }
     table["ddp under autoddp"] = (ddp, ddp_optimizer, ddp_batches, 0)
@@ -198,9 +203,15 @@ def tight_loops(table: dict[str, tuple], switches: Switches) -> dict[str, float]
         lambda: model(x)
     ) - _best_us(lambda: ddp(x))
     replica.watched = True
-    found["ledger: hooking a forward's output"] = _best_us(
+    found["ledger: hooking a forward's output (decorator)"] = _best_us(
         lambda: replica.reduction.forwarded(leaf * 2, True)
     ) - _best_us(lambda: leaf * 2)
+    CURRENT.retained = False
+    found["ledger: a forward without a hook (command)"] = _best_us(
+        lambda: replica.reduction.forwarded(leaf * 2, True)
+    ) - _best_us(lambda: leaf * 2)
+    CURRENT.retained = True
+    replica.reduction.take()
 
     def backward(hooked: bool) -> None:
         out = leaf * 2
@@ -269,9 +280,18 @@ def _paired(blocks: dict[str, dict[str, list[float]]], ours: str, theirs: str) -
 def pieces(blocks: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
     """Each piece's µs per phase: consecutive variants' difference; the routing: the last over ``ddp``."""
     chain = [*VARIANTS, "ddp"]
-    names = ["ledger", "guard", "sampler", "hang marks", "capture hooks", "routing (the rest)"]
+    names = [
+        "ledger hooks (decorator)",
+        "ledger",
+        "guard",
+        "sampler",
+        "hang marks",
+        "capture hooks",
+        "routing (the rest)",
+    ]
     found = {name: _paired(blocks, chain[i], chain[i + 1]) for i, name in enumerate(names)}
-    found["all of autoddp"] = _paired(blocks, "captured", "ddp")
+    found["all of autoddp (decorator)"] = _paired(blocks, "decorated", "ddp")
+    found["all of autoddp (command)"] = _paired(blocks, "captured", "ddp")
     found["hooks on a hand-written DDP"] = _paired(blocks, "ddp under autoddp", "ddp")
     return found
 

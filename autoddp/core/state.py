@@ -87,6 +87,10 @@ class Run:
         #: averaging guard tells one backward from the next and sees an optimizer step inside one.
         self.backwards = 0
         self.backward_kind: str | None = None
+        #: A backward that keeps its graph (``retain_graph``, ``create_graph``) or a ``grad`` call has
+        #: run under capture (or such a function is bound by name where capture cannot count it):
+        #: from then on every forward's outputs are hooked (``models._reduction``).
+        self.retained = False
         #: Models wrapped in each joined world, innermost last (weakly: a model may go).
         self._wrapped: list[weakref.WeakKeyDictionary[Any, Callable[[Any], None]]] = []
 

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import textwrap
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import autoddp
+from conftest import run_python
 
 N = 16  # samples: each rank takes its half, one process the whole (mean losses: the same step)
 
@@ -213,3 +217,91 @@ def test_lbfgs_line_search_decides_on_the_global_loss_like_one_process():
 
 def test_lbfgs_averages_what_its_closure_leaves_unaveraged_at_every_call():
     _check(_lbfgs_two_backwards, "retain_graph=True", _lbfgs)
+
+
+#: An unchanged script for the command, where capture counts every backward from the first line and
+#: hooks no forward until a backward keeps its graph (``models._reduction``): ``python s.py HABIT``.
+SCRIPT = """
+    import json, sys, torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 4, generator=g)
+    y = x @ torch.randn(4, 2, generator=g)
+    data = torch.utils.data.TensorDataset(x, y)
+    order = torch.Generator().manual_seed(2)
+    loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True, generator=order)
+    habit = sys.argv[1]
+
+    def issued():  # the collectives this rank issued so far (none in one process)
+        import torch.distributed as dist
+        from autoddp.core import _compat
+        return _compat.collectives_issued() if dist.is_initialized() else 0
+
+    counts = []
+    for epoch in range(2):
+        for step, (xb, yb) in enumerate(loader):
+            before = issued()
+            opt.zero_grad()
+            out = model(xb)
+            loss = (out - yb).pow(2).mean()
+            if habit == "two backwards" or (habit == "later" and epoch == 1 and step == 2):
+                loss.backward(retain_graph=True)
+                (out - yb).abs().mean().backward()  # a second backward through the same forward
+            elif habit == "grad by hand":
+                params = list(model.parameters())
+                for p, grad in zip(params, torch.autograd.grad(loss, params)):
+                    p.grad = grad
+            else:
+                loss.backward()
+            opt.step()
+            counts.append(issued() - before)
+    weights = [p.detach().flatten().tolist() for p in model.parameters()]
+    print("RESULT", json.dumps({"weights": weights, "counts": counts}))
+"""
+
+
+@pytest.mark.parametrize("habit", ["ordinary", "two backwards", "later", "grad by hand"])
+def test_under_the_command_gradients_ddp_did_not_average_are_averaged_from_the_first_step(tmp_path, habit):
+    """Under the command the forwards are left unhooked until a backward keeps its graph or
+    ``torch.autograd.grad`` runs: the step that first does it (the first step, or a later one)
+    still steps on one process's gradients (``--split-batches``: each rank half of every batch),
+    and ordinary steps, before and after it, cost DDP's one all-reduce."""
+    script = tmp_path / "habit.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    alone = run_python([str(script), habit], timeout=60)
+    assert alone.returncode == 0, alone.stderr
+    ran = run_python(["-m", "autoddp.cli", "-n", "2", "--split-batches", str(script), habit], timeout=90)
+    assert ran.returncode == 0, ran.stderr
+    theirs = json.loads(alone.stdout.split("RESULT ", 1)[1])
+    ours = json.loads(ran.stdout.split("RESULT ", 1)[1])
+    for a, b in zip(ours["weights"], theirs["weights"], strict=True):
+        assert a == pytest.approx(b, abs=1e-6)
+    # Per step: DDP's all-reduce and split_batches' of the loss (a backward's); not the first two
+    # steps (the first holds capture's first-step agreement, the second DDP's bucket rebuild).
+    counts = ours["counts"][2:]
+    if habit == "ordinary":
+        assert counts == [2] * 6, ours["counts"]
+    elif habit == "later":  # epoch 1, step 2: a second backward's loss, and autoddp's averaging
+        assert counts == [2] * 4 + [4, 2], ours["counts"]
+
+
+def test_a_grad_bound_by_name_outside_torch_is_found(monkeypatch):
+    """What keeps capture hooking every forward where a script's names were bound before it: a
+    module holding torch's ``grad`` or ``backward`` under a name of its own."""
+    import sys
+    import types
+
+    from autoddp.in_rank.capture.steps import _bound_by_name
+
+    def nobody_holds_this():
+        pass
+
+    module = types.ModuleType("user_code")
+    monkeypatch.setitem(sys.modules, "user_code", module)
+    assert not _bound_by_name(nobody_holds_this)
+    module.gradients = torch.autograd.grad
+    assert _bound_by_name(torch.autograd.backward, torch.autograd.grad)

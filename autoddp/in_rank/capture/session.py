@@ -69,6 +69,9 @@ class Session:
         self.options = options
         self._world = world
         self._join = join
+        #: Capture runs a script from its first line (the command): every name the user's code binds
+        #: to torch's functions is bound after the hooks (a decorated function's module was not).
+        self.script = join is not None
         self.made_group = False
         self.registry = Registry()
         self.busy = False

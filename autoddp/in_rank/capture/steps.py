@@ -50,6 +50,11 @@ class Steps:
         self.accumulation_said = False
 
     def install(self) -> None:
+        if not self.session.script or _bound_by_name(torch.autograd.backward, torch.autograd.grad):
+            # Calls under a name bound before capture are not counted (a default argument
+            # `grad=torch.autograd.grad` of a function defined before the decorated call included):
+            # every forward is hooked, as for a backward that keeps its graph (``models._reduction``).
+            CURRENT.retained = True
         patches = [
             (torch.nn.parallel.DistributedDataParallel, "__init__", self._ddp_init),
             (torch.autograd, "backward", lambda original: self._backward(models.counted(original))),
@@ -140,3 +145,19 @@ class Steps:
             self.own_ddp.add(ddp)
 
         return __init__
+
+
+def _bound_by_name(*functions: Any) -> bool:
+    """Whether a module outside torch and autoddp holds one of ``functions`` under a name of its own
+    (``from torch.autograd import grad`` before a decorated call): capture cannot count those calls."""
+    ids = {id(function) for function in functions}
+    for name, module in list(sys.modules.items()):
+        if module is None or name in ("torch", "autoddp") or name.startswith(("torch.", "autoddp.")):
+            continue
+        try:
+            values = list(vars(module).values())
+        except TypeError:
+            continue
+        if not ids.isdisjoint(map(id, values)):
+            return True
+    return False

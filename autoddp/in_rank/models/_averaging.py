@@ -77,7 +77,7 @@ class _Guard:
             if unseen or unreduced or replica.bypasses != bypasses:
                 params = [p for p in model.parameters() if p.requires_grad]
                 reason = "unseen" if unseen else unreduced or "beside"
-                if _average(params) and reason != _reduction.DEFERRED:  # (a window guessed wrong: silent)
+                if _average(params) and reason not in _reduction.SILENT:  # (a window guessed wrong: silent)
                     self._say(model, reason, _WORDS[reason](type(model).__name__))
             if replica.window is not None:
                 replica.window.stepped(replica.forwards)
@@ -209,10 +209,10 @@ def average_before_read() -> None:
     """
     for model in CURRENT.wrapped_models():
         replica = model.__dict__.get(_routing.REPLICA_ATTR)
-        if replica is None or not replica.watched or replica.reduction.unreduced is None:
+        if replica is None or not replica.watched or replica.reduction.due() is None:
             continue
         reason = replica.reduction.take()
-        if _average([p for p in model.parameters() if p.requires_grad]) and reason != _reduction.DEFERRED:
+        if _average([p for p in model.parameters() if p.requires_grad]) and reason not in _reduction.SILENT:
             _say_once(model, reason, _WORDS[reason](type(model).__name__))
 
 

@@ -4,12 +4,19 @@ DDP averages the gradients of one backward pass after each forward through it (t
 accumulates into ``.grad``). Gradients that reach ``.grad`` otherwise are this process's own: a
 second backward through the same forward (``retain_graph=True``), or ``torch.autograd.grad``'s
 results assigned to ``.grad`` by hand. Capture counts ``torch.autograd.backward`` and ``grad``
-calls (``counted``, in ``CURRENT``); every forward through a guarded model's DDP hooks its
-outputs (``Ledger.forwarded``), so that a pass reaching them tells whether DDP averages it; the
-guard (``_averaging``) averages at ``step()`` when one did not, or when a step runs inside a
-backward pass (before DDP's all-reduce has finished). A backward through forwards that deferred
-their synchronisation (gradient accumulation, ``_window``; the user's own ``no_sync``) leaves
-gradients to be averaged by a later synchronised backward, else by the guard (``DEFERRED``).
+calls (``counted``, in ``CURRENT``); a forward through a guarded model's DDP hooks its outputs
+(``Ledger.forwarded``), so that a pass reaching them tells whether DDP averages it; the guard
+(``_averaging``) averages at ``step()`` when one did not, or when a step runs inside a backward
+pass (before DDP's all-reduce has finished). A backward through forwards that deferred their
+synchronisation (gradient accumulation, ``_window``; the user's own ``no_sync``) leaves gradients
+to be averaged by a later synchronised backward, else by the guard (``DEFERRED``).
+
+The hooks cost a step tens of µs, and most steps need none: a second backward through a forward
+needs the first to have kept the graph. So until a backward keeps its graph (``retain_graph``,
+``create_graph``) or ``torch.autograd.grad`` runs (``CURRENT.retained``), a synchronised forward's
+outputs are hooked only while deferred gradients wait for it, and a deferred forward marks them at
+once; the windows with forwards left unhooked before the first such call are averaged again at
+their step (``UNSURE``: exact, silent, one all-reduce once).
 """
 
 from __future__ import annotations
@@ -27,6 +34,10 @@ BACKWARD = "backward"
 GRAD = "grad"
 #: Why ``.grad`` holds local gradients: only backward passes through forwards in ``no_sync``.
 DEFERRED = "deferred"
+#: Why ``.grad`` may hold local gradients: forwards left unhooked before a backward kept its graph.
+UNSURE = "unsure"
+#: The reasons averaged without a word (nothing the user's code did differently from one process).
+SILENT = (DEFERRED, UNSURE)
 
 
 def counted(original: Callable[..., Any], accumulates: bool = True) -> Callable[..., Any]:
@@ -36,6 +47,8 @@ def counted(original: Callable[..., Any], accumulates: bool = True) -> Callable[
 
     def call(*args: Any, **kwargs: Any) -> Any:
         previous = CURRENT.backward_kind
+        if not CURRENT.retained and (not accumulates or _keeps_graph(args, kwargs)):
+            CURRENT.retained = True  # (a later backward may go through the forwards this one reaches)
         CURRENT.backwards += 1
         CURRENT.backward_kind = kind
         try:
@@ -44,6 +57,14 @@ def counted(original: Callable[..., Any], accumulates: bool = True) -> Callable[
             CURRENT.backward_kind = previous
 
     return call
+
+
+def _keeps_graph(args: tuple, kwargs: dict) -> bool:
+    """Whether a ``torch.autograd.backward(tensors, grad_tensors, retain_graph, create_graph, ...)``
+    call keeps its graph (``Tensor.backward`` passes both flags by position)."""
+    retain = kwargs.get("retain_graph", args[2] if len(args) > 2 else None)
+    create = kwargs.get("create_graph", args[3] if len(args) > 3 else False)
+    return bool(retain) or bool(create)
 
 
 def stepping_in_backward() -> bool:
@@ -63,10 +84,19 @@ class Ledger:
         self.last = -1
         #: The reasons the guard has given for averaging this model's gradients (each said once).
         self.said: set[str] = set()
+        #: A forward since the last reduction left unhooked (``UNSURE`` once a graph is kept).
+        self.blind = False
 
     def forwarded(self, result: Any, synced: bool) -> None:
-        """A forward with gradients went through the DDP: hook its outputs (``synced``: not in no_sync)."""
+        """A forward with gradients went through the DDP: hook its outputs (``synced``: not in no_sync),
+        or, until a backward keeps its graph, only where deferred gradients wait for a synchronisation."""
         self.pending = self.pending or synced
+        if not CURRENT.retained:
+            if not synced and self.unreduced is None:
+                self.unreduced = DEFERRED  # (its backward, the only one it can have, leaves them local)
+            if not synced or self.unreduced is None:
+                self.blind = True
+                return
         hook = self.reached if synced else self.reached_deferred
         if type(result) is torch.Tensor:  # the usual output: hooked directly, nothing walked
             if result.requires_grad:
@@ -100,7 +130,13 @@ class Ledger:
         self.last = CURRENT.backwards
         return True
 
+    def due(self) -> str | None:
+        """What left gradients DDP did not average (None: nothing)."""
+        if self.unreduced is None and self.blind and CURRENT.retained:
+            return UNSURE
+        return self.unreduced
+
     def take(self) -> str | None:
-        """What left gradients DDP did not average (None: nothing); forgotten once averaged."""
-        found, self.unreduced = self.unreduced, None
+        """``due()``, forgotten: the caller averages the gradients now."""
+        found, self.unreduced, self.blind = self.due(), None, False
         return found
