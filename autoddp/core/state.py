@@ -77,6 +77,9 @@ class Run:
         #: split_batches: this rank's share of the batch last handed out (W * part / batch; 0: a rank
         #: with no sample of it; None: no split batch in use). Models weigh their gradients by it.
         self.split_weight: float | None = None
+        #: A loader handed out data by rank in this run (capture's shards, the user's sampler): the
+        #: batches reaching a model are this rank's, never split again at the model's call.
+        self.sharded_data = False
         #: (a weak reference to the iterator, its length) of the training pass of a DataLoader under
         #: way: the forward of its last batch ends a gradient-accumulation window (``models._window``).
         self.training_pass: tuple[Any, int] | None = None

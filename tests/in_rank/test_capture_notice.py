@@ -174,11 +174,10 @@ def test_training_that_nothing_distributes_is_named_in_the_notice(tmp_path):
     )
     assert "pass it to autoddp.prepare(model)" in manual.stderr
 
-    assert batches.returncode == 0, batches.stderr
+    assert batches.returncode == 0, batches.stderr  # (unseeded: each process made its own data)
     assert (
-        "autoddp:   not distributed: no pass over a shuffled DataLoader ran before the first optimizer step "
-        "(manual.py:11), so unless the code gives each process its own data, every process trains on the "
-        "same batches, 2 times the work" in batches.stderr
+        "autoddp:   Linear: its batches differ between the processes (nothing seeds the random numbers alike "
+        "on every process): each of the 2 trains on its own" in batches.stderr
     )
 
     assert ordered.returncode == 0, ordered.stderr
@@ -246,7 +245,8 @@ def test_a_function_under_the_decorator_is_told_the_same(capfd):
         return json.dumps(1)
 
     assert train() == "1"
-    assert "not distributed: no pass over a shuffled DataLoader ran" in capfd.readouterr().err
+    err = capfd.readouterr().err  # (each rank draws its own data: the decorator seeds them apart)
+    assert "Linear: its batches differ between the processes" in err
 
 
 BEFORE_TRAINING = """
@@ -366,9 +366,7 @@ ODD = """
 def test_manual_batches_after_a_look_at_a_loader_and_padding_are_said(tmp_path):
     look = run_python(["-m", "autoddp.cli", "-n", "2", str(write(tmp_path / "look.py", MANUAL_AFTER_A_LOOK))])
     assert look.returncode == 0, look.stderr
-    assert "not distributed: no pass over a shuffled DataLoader ran before the first optimizer step" in (
-        look.stderr
-    )
+    assert "Linear: its batches differ between the processes" in look.stderr
     odd = run_python(["-m", "autoddp.cli", "-n", "2", str(write(tmp_path / "odd.py", ODD))])
     assert odd.returncode == 0, odd.stderr
     assert (
@@ -450,7 +448,8 @@ def test_a_line_the_notice_said_is_not_said_again_for_another_key(capsys):
 
 def test_a_shuffled_pass_begun_before_the_optimizer_is_named_as_such_and_warned_at_step(tmp_path):
     """A shuffled loader whose iterator was made before the optimizer: its pass is left whole; the
-    notice names that loader and the fix, not "no pass over a shuffled DataLoader ran"."""
+    warning names that loader and the fix, not "no pass over a shuffled DataLoader ran", and, the
+    script being seeded, says that the model splits each of its batches at its call."""
     script = write(
         tmp_path / "early.py",
         """
@@ -473,12 +472,12 @@ def test_a_shuffled_pass_begun_before_the_optimizer_is_named_as_such_and_warned_
         "early.py:12: AutoDDPWarning: autoddp: an optimizer steps while the shuffled DataLoader at early.py:5"
         in (result.stderr)
     )
-    assert (
-        "not distributed: the first optimizer step (early.py:12) came during a pass over the shuffled "
-        "DataLoader at early.py:5 that autoddp left whole" in result.stderr
-    )
-    assert "Make the optimizer and call model.train() before iterating the loader" in result.stderr
+    # (seeded: the pass left whole is the same on every rank, so the model splits each batch)
+    assert "each process loads every batch, and the model splits it at its call" in result.stderr
+    assert "Linear: its batches, the same on every process" in result.stderr
+    assert "make the optimizer and call model.train() before iterating the loader" in result.stderr
     assert "no pass over a shuffled DataLoader ran" not in result.stderr
+    assert "not distributed" not in result.stderr
 
 
 @pytest.mark.parametrize("front", ["command", "decorator"])

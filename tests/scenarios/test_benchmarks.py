@@ -297,3 +297,17 @@ def test_epoch_time_verdict_reads_the_interval():
     assert epoch_time.verdict(slower).startswith("SLOWER")
     with pytest.raises(RuntimeError, match=r"epochs 1\.\.3"):
         epoch_time.parse_run("epoch 1 0.5s loss 2.3 threads 1 cpu 0.4s\n", 1.0, 3)
+
+
+def test_split_at_call_times_both_and_finds_the_same_losses():
+    quick = ["--rounds", "1", "--steps", "2", "--width", "16"]
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "split_at_call.py"), *quick],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(figures["rounds"]) == 1 and figures["rounds"][0]["same_loss"]
+    assert figures["vs_one"] > 0 and figures["vs_one_device"] > 0

@@ -47,6 +47,7 @@ class Undistributed:
         #: A shuffled loader's site and iterator, while its pass is whole although gradients are on.
         self.whole_pass: tuple[Site, Any] | None = None
         self._warned_whole = False
+        self._postponed = False  # the first step's check, for the next step (a closure: see before_step)
 
     def begin_pass(self, whole_site: Site | None, iterator: object) -> None:
         """A pass over a loader began: whole while gradients are on (at ``whole_site``), or not."""
@@ -118,33 +119,36 @@ class Undistributed:
         """True while an optimizer step has something to check (after the first, rarely)."""
         return not self.step_checked or (self.whole_pass is not None and not self._warned_whole)
 
-    def before_step(self, notice: Notice | None, site: Site) -> None:
-        """At an optimizer step: the first one checks the data; any one checks a whole pass."""
+    def before_step(self, notice: Notice | None, site: Site, closure: bool = False) -> None:
+        """At an optimizer step: the first one checks the data; any one checks a whole pass.
+
+        A first step given a closure (LBFGS) runs the model's forwards after this: its data is
+        checked at the next step, once the model's first call has decided (``models._at_call``).
+        """
         whole = self._in_whole_pass() if not self._warned_whole else None
+        decided = models.split_at_call() if whole is not None or not self.step_checked else []
+        if closure and not decided and not self.step_checked and not self._postponed:
+            self._postponed = True
+            return
+        split = any(state is True for _, state in decided)
         if whole is not None:
             self._warned_whole = True
+            what = (
+                ": each process loads every batch, and the model splits it at its call"
+                if split
+                else ", so it is not split between the processes"
+            )
             _warn.warn(
                 f"an optimizer steps while the shuffled DataLoader at {where(whole)} runs a pass that "
                 "every process gets in full: autoddp took that pass for evaluation (when it began, "
-                "every model was in eval() mode, or no optimizer had been made yet), so it is not "
-                "split between the processes. If this is your training loop, make the optimizer and "
-                "call model.train() before iterating the loader"
+                f"every model was in eval() mode, or no optimizer had been made yet){what}. If this "
+                "is your training loop, make the optimizer and call model.train() before iterating the "
+                "loader"
             )
         if self.step_checked:
             return
         self.step_checked = True
         if self.data_shared or notice is None:
-            return
-        if whole is not None:  # a shuffled loader's pass runs, left whole: say that, not "no pass"
-            notice.say(
-                ("no sharded data",),
-                f"not distributed: the first optimizer step ({where(site)}) came during a pass over the "
-                f"shuffled DataLoader at {where(whole)} that autoddp left whole (it began before any "
-                "optimizer was made, or with every model in eval()), so every process trains on the "
-                f"same batches, {self.world_size} times the work for one process's result. Make the "
-                "optimizer and call model.train() before iterating the loader (iter(loader) included)",
-                captured=True,
-            )
             return
         ordered = ""
         if self.ordered:
@@ -152,15 +156,60 @@ class Undistributed:
                 f" (the DataLoader at {where(self.ordered[0])} is in order, shuffle=False, so autoddp "
                 "left it whole as an evaluation loader: pass shuffle=True if it is the training data)"
             )
+        self._say_split(notice, decided, ordered)
+        if split or any(state == models.DRAWN_APART for _, state in decided):
+            return
+        refused = "".join(
+            f" (its batches could not be split at {type(model).__name__}'s call: {state})"
+            for model, state in decided[:1]
+            if isinstance(state, str)
+        )
+        if whole is not None:  # a shuffled loader's pass runs, left whole: say that, not "no pass"
+            notice.say(
+                ("no sharded data",),
+                f"not distributed: the first optimizer step ({where(site)}) came during a pass over the "
+                f"shuffled DataLoader at {where(whole)} that autoddp left whole (it began before any "
+                f"optimizer was made, or with every model in eval()){refused}, so every process trains on "
+                f"the same batches, {self.world_size} times the work for one process's result. Make the "
+                "optimizer and call model.train() before iterating the loader (iter(loader) included)",
+                captured=True,
+            )
+            return
         notice.say(
             ("no sharded data",),
             f"not distributed: no pass over a shuffled DataLoader ran before the first optimizer step "
-            f"({where(site)}){ordered}, so unless the code gives each process its own data, every "
-            f"process trains on the same batches, {self.world_size} times the work for one process's "
-            "result. Use a DataLoader with shuffle=True (autoddp shards it), or split the data with "
-            "autoddp.rank() and autoddp.world_size()",
+            f"({where(site)}){ordered}{refused}, so unless the code gives each process its own data, "
+            f"every process trains on the same batches, {self.world_size} times the work for one "
+            "process's result. Use a DataLoader with shuffle=True (autoddp shards it), or split the "
+            "data with autoddp.rank() and autoddp.world_size()",
             captured=True,
         )
+
+    def _say_split(
+        self, notice: Notice, decided: list[tuple[torch.nn.Module, bool | str]], ordered: str
+    ) -> None:
+        """What became of the batches that reached a model the same on every rank (``models._at_call``)."""
+        n = self.world_size
+        for model, state in decided:
+            name = type(model).__name__
+            if state is True:
+                notice.say(
+                    ("split at call", id(model)),
+                    f"{name}: its batches, the same on every process (drawn without a DataLoader, or from "
+                    f"a pass left whole), are split at its call: each of the {n} processes runs its rows "
+                    "of every batch, and what the call returns is the whole batch's (one all-gather per "
+                    "tensor it returns), so the lines after it, the loss and the step are one process's",
+                    captured=True,
+                )
+            elif state == models.DRAWN_APART:  # each rank trains on batches of its own: not N copies
+                notice.say(
+                    ("split at call", id(model)),
+                    f"{name}: its batches differ between the processes{ordered} (nothing seeds the random "
+                    f"numbers alike on every process): each of the {n} trains on its own, so a step learns "
+                    f"from {n} times one process's batch, not one process's run; seed them at the top of "
+                    "the script (torch.manual_seed(0)) for autoddp to split one batch between the processes",
+                    captured=True,
+                )
 
 
 def _grad_state(param: torch.Tensor) -> object:

@@ -273,14 +273,16 @@ class Loaders:
             return False
         shares.begin_pass(loader, kind)
         if shares.in_use == "shard":
-            self.session.undistributed.data_shared = True
+            self.session.undistributed.data_shared = CURRENT.sharded_data = True
         return shares.in_use == "whole" and torch.is_grad_enabled()
 
     def _shard(self, loader: DataLoader, site: tuple[str, int], first_pass: str = TRAINING) -> None:
         session = self.session
         found = kind(loader)
         if found in ("distributed", "iterable"):
-            session.undistributed.data_shared = True  # given out by rank already, or by the dataset
+            session.undistributed.data_shared = CURRENT.sharded_data = (
+                True  # given out by rank already, or by the dataset
+            )
         if found == "distributed":  # prepared, or the user's own DistributedSampler: as it is
             with session.own_work():
                 foreign = foreign_shares(loader, session.world())

@@ -119,7 +119,8 @@ class Steps:
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         session = self.session
         if not session.busy and session.undistributed.at_step:
-            session.undistributed.before_step(session.notice, caller_site())
+            closure = (args[1] if len(args) > 1 else kwargs.get("closure")) is not None
+            session.undistributed.before_step(session.notice, caller_site(), closure)
         if CURRENT.accumulating and not self.accumulation_said and session.notice is not None:
             self.accumulation_said = True
             session.notice.say(

@@ -20,6 +20,8 @@ from autoddp.core.environment import hardware
 from autoddp.core.errors import ConfigurationError
 from autoddp.core.state import RunOptions, World
 from autoddp.in_rank.models import _rebind, ddp, fsdp
+from autoddp.in_rank.models._at_call import DRAWN_APART
+from autoddp.in_rank.models._at_call import decisions as split_at_call
 from autoddp.in_rank.models._averaging import average_before_read, guard_optimizer
 from autoddp.in_rank.models._fsdp_state import (
     bind_optimizer,
@@ -58,6 +60,8 @@ __all__ = [
     "check_loss",
     "show_split_loss_whole",
     "split_note",
+    "split_at_call",
+    "DRAWN_APART",
     "no_sync_at_one_process",
 ]
 

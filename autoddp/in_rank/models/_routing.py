@@ -33,7 +33,7 @@ import torch
 
 from autoddp.core import _class_swap, _compat, _containers, _patches, _warn
 from autoddp.core.state import CURRENT
-from autoddp.in_rank.models import _split
+from autoddp.in_rank.models import _at_call, _split
 
 #: Where the DDP and its replica live in the module's ``__dict__``.
 DDP_ATTR = "_autoddp_ddp"
@@ -95,18 +95,24 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     ddp = replica.for_call(self, args, kwargs)
     if ddp is None:
         return plain.__call__(self, *args, **kwargs)
+    parts = _at_call.parts(replica, self, args, kwargs)
+    if parts is not None:  # a batch drawn by hand: this rank's rows (``_at_call``)
+        args, kwargs = _at_call.local_arguments(args, kwargs, parts)
     _ROUTING.inside = replica.inside = True
     _ROUTING.calls += 1
     replica.forwards += 1
     try:
-        if replica.watched and replica.defers(ddp):  # gradient accumulation (``_window``)
-            result, synced = _deferred(ddp, args, kwargs), False
-        else:
-            result, synced = ddp(*args, **kwargs), ddp.require_backward_grad_sync
+        with _at_call.own_noise(parts, replica.forwards) if parts else contextlib.nullcontext():
+            if replica.watched and replica.defers(ddp):  # gradient accumulation (``_window``)
+                result, synced = _deferred(ddp, args, kwargs), False
+            else:
+                result, synced = ddp(*args, **kwargs), ddp.require_backward_grad_sync
         if replica.watched:  # an optimizer's guard reads which backward passes DDP averaged
             replica.reduction.forwarded(result, synced)
         if CURRENT.split_weight is not None:  # split_batches: this rank's part weighs its share
             _split.weigh(result, CURRENT.split_weight)
+        if parts is not None:
+            result = _at_call.whole(result, parts)
         return result
     except RuntimeError as error:
         explained = replica.explain(error, self)

@@ -97,6 +97,9 @@ class Replica:
         #: Whether DDP's ``no_sync`` may defer a forward's synchronisation (not in DDP's modes that
         #: synchronise otherwise: a static graph, parameters whose all-reduce is delayed).
         self.deferrable = False
+        #: A batch drawn by hand split at the call (``_at_call``): None (not tried yet), its
+        #: ``Splitting``, or the reason it cannot be (the whole batch then runs on every rank).
+        self.at_call: Any = None
         self.inside = False  # while the DDP's forward runs
         #: While ``build`` makes the DDP: capture's hook of ``DistributedDataParallel.__init__``
         #: must not take autoddp's own (re)build, inside the user's forward, for a DDP of the user's.
