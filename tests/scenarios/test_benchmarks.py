@@ -213,16 +213,20 @@ def test_capture_hooks_measures_every_piece_and_prints_json():
     }
 
 
-def test_step_report_measures_a_step_with_and_without_it_and_each_hook_and_prints_json():
-    tiny = ["--pairs", "2", "--steps", "5", "--calls", "50"]
+def _figures(name: str, arguments: list[str], timeout: float) -> dict:
+    """Run ``benchmarks/<name>.py`` with ``arguments``: the JSON object its last line prints."""
     result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "step_report.py"), *tiny],
+        [sys.executable, str(BENCHMARKS / f"{name}.py"), *arguments],
         capture_output=True,
         text=True,
-        timeout=100,
+        timeout=timeout,
     )
     assert result.returncode == 0, result.stderr
-    figures = json.loads(result.stdout.splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_step_report_measures_a_step_with_and_without_it_and_each_hook_and_prints_json():
+    figures = _figures("step_report", ["--pairs", "2", "--steps", "5", "--calls", "50"], timeout=100)
     assert (
         figures["whole"]["on_us"] > 0 and figures["whole"]["off_us"] > 0 and "added_us" in figures["control"]
     )
@@ -300,14 +304,6 @@ def test_epoch_time_verdict_reads_the_interval():
 
 
 def test_split_at_call_times_both_and_finds_the_same_losses():
-    quick = ["--rounds", "1", "--steps", "2", "--width", "16"]
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "split_at_call.py"), *quick],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    figures = _figures("split_at_call", ["--rounds", "1", "--steps", "2", "--width", "16"], timeout=300)
     assert len(figures["rounds"]) == 1 and figures["rounds"][0]["same_loss"]
     assert figures["vs_one"] > 0 and figures["vs_one_device"] > 0
