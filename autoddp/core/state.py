@@ -80,6 +80,8 @@ class Run:
         #: A loader handed out data by rank in this run (capture's shards, the user's sampler): the
         #: batches reaching a model are this rank's, never split again at the model's call.
         self.sharded_data = False
+        #: rank0() bodies running on this rank 0 alone (nested ones counted): no collective there.
+        self.alone = 0
         #: (a weak reference to the iterator, its length) of the training pass of a DataLoader under
         #: way: the forward of its last batch ends a gradient-accumulation window (``models._window``).
         self.training_pass: tuple[Any, int] | None = None

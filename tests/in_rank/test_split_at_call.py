@@ -324,5 +324,33 @@ def test_batches_that_drift_apart_later_end_the_run_with_the_fix():
             loss.backward()
             opt.step()
 
-    with pytest.raises(autoddp.ConfigurationError, match="held different batches at the previous call"):
+    with pytest.raises(autoddp.ConfigurationError, match="held different batches at a recent call"):
         run()
+
+
+def test_a_call_in_a_rank0_block_runs_the_whole_batch_there_and_training_splits_after():
+    """Rank 0 alone in a rank0() body: a call with gradients there (a logged prediction) is not
+    split, since nothing runs beside it; the training steps after it are. (Not in the first two
+    steps: DDP's own forward rebuilds its buckets there, a collective in C++ that no rank0() block
+    can refuse, which would wait for the other ranks.)"""
+
+    @autoddp.distributed(nproc=2)
+    def run():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        rows = []
+        model.register_forward_pre_hook(
+            lambda m, a: rows.append(a[0].shape[0]) if torch.is_grad_enabled() else None
+        )
+        x, y = torch.randn(8, 4), torch.randn(8, 1)
+        for step in range(4):
+            if step == 2:
+                with autoddp.rank0():
+                    model(x)
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        return gather(rows)
+
+    assert run() == [[4, 4, 8, 4, 4], [4, 4, 4, 4]]

@@ -21,7 +21,6 @@ from autoddp.core.errors import ConfigurationError
 from autoddp.core.state import RunOptions, World
 from autoddp.in_rank.models import _rebind, ddp, fsdp
 from autoddp.in_rank.models._at_call import DRAWN_APART
-from autoddp.in_rank.models._at_call import decisions as split_at_call
 from autoddp.in_rank.models._averaging import average_before_read, guard_optimizer
 from autoddp.in_rank.models._fsdp_state import (
     bind_optimizer,
@@ -31,6 +30,7 @@ from autoddp.in_rank.models._fsdp_state import (
 )
 from autoddp.in_rank.models._reduction import counted
 from autoddp.in_rank.models._routing import no_sync_at_one_process
+from autoddp.in_rank.models._routing import split_decisions as split_at_call
 from autoddp.in_rank.models._split import check_loss, show_split_loss_whole, split_note
 from autoddp.in_rank.models._window import training_pass
 

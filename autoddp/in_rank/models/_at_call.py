@@ -254,8 +254,8 @@ def parts(replica: Any, module: torch.nn.Module, args: tuple, kwargs: dict) -> P
     batch (a script seeded alike on every rank), and ``refusal`` must find nothing. Each later
     call's batch is checked the same way one call later (``Splitting``: no wait in the step).
     """
-    if CURRENT.sharded_data or CURRENT.split_weight is not None or CURRENT.capture is None:
-        return None
+    if CURRENT.sharded_data or CURRENT.split_weight is not None or CURRENT.capture is None or CURRENT.alone:
+        return None  # (in a rank0() body rank 0 runs alone: nothing to split with)
     state = replica.at_call
     world = CURRENT.world
     if isinstance(state, str) or world is None or world.world_size < 2:
@@ -272,7 +272,9 @@ def parts(replica: Any, module: torch.nn.Module, args: tuple, kwargs: dict) -> P
         )
         replica.at_call = Splitting() if why is None else why
         return split if why is None else None
-    state.check(_fingerprints(args, kwargs, split))
+    state.calls += 1
+    if state.calls & (state.calls - 1) == 0 or state.calls % _CHECK_EVERY == 0:
+        state.check(_fingerprints(args, kwargs, split))
     return split
 
 
@@ -280,21 +282,28 @@ def parts(replica: Any, module: torch.nn.Module, args: tuple, kwargs: dict) -> P
 DRAWN_APART = "drawn apart"
 
 
-class Splitting:
-    """A model whose batches are split at its call: each call's batch is checked to be the same on
-    every rank, the gathered fingerprints compared at the next call (a GPU is not waited for)."""
+#: After the first calls (1, 2, 4, 8, ...), the batch is checked at every this many calls of a model.
+_CHECK_EVERY = 64
 
-    __slots__ = ("pending",)
+
+class Splitting:
+    """A model whose batches are split at its call: the batch is checked to be the same on every
+    rank at its calls 1, 2, 4, 8, ... and every ``_CHECK_EVERY``-th (one more small all-gather each;
+    ranks that drift apart stay apart, their streams offset), the gathered fingerprints compared
+    at the next check (a GPU is not waited for)."""
+
+    __slots__ = ("calls", "pending")
 
     def __init__(self) -> None:
+        self.calls = 0  # the calls split since the first (every rank counts alike)
         self.pending: list[torch.Tensor] | None = None
 
     def check(self, everyone: list[torch.Tensor]) -> None:
         earlier, self.pending = self.pending, everyone
         if earlier is not None and not _same(earlier):
             raise ConfigurationError(
-                "the processes held different batches at the previous call of this model, where they "
-                "held the same one before: autoddp splits a batch drawn without a DataLoader between "
+                "the processes held different batches at a recent call of this model, where they held "
+                "the same one before: autoddp splits a batch drawn without a DataLoader between "
                 "them, so every process must draw the same one. Something draws random numbers on some "
                 "processes only (code under `if autoddp.rank() == 0:`?): draw them on every process, or "
                 "seed each draw alike"
@@ -333,16 +342,3 @@ def own_noise(parts: Parts, calls: int) -> Iterator[None]:
         if cuda:
             torch.cuda.manual_seed(seed)
         yield
-
-
-def decisions() -> list[tuple[torch.nn.Module, bool | str]]:
-    """Each wrapped model whose call had a batch drawn by hand: True (split), or why not."""
-    from autoddp.in_rank.models._routing import REPLICA_ATTR
-
-    found = []
-    for model in CURRENT.wrapped_models():
-        replica = model.__dict__.get(REPLICA_ATTR)
-        state = getattr(replica, "at_call", None)
-        if state is not None:
-            found.append((model, state if isinstance(state, str) else True))
-    return found

@@ -332,3 +332,15 @@ def _unwatch(module: torch.nn.Module) -> None:
     watcher = _watcher(module)
     if watcher is not None:
         _compat.route_calls(module, watcher.before)
+
+
+def split_decisions() -> list[tuple[torch.nn.Module, bool | str]]:
+    """Each wrapped model whose call met a batch the same on every rank: True where it is split at
+    its call (``_at_call``), else why not."""
+    found = []
+    for model in CURRENT.wrapped_models():
+        replica = model.__dict__.get(REPLICA_ATTR)
+        state = getattr(replica, "at_call", None)
+        if state is not None:
+            found.append((model, state if isinstance(state, str) else True))
+    return found

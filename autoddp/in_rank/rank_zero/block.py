@@ -56,14 +56,14 @@ class _State:
 
     ``sequence`` numbers the blocks that synchronise (every rank runs the same blocks in the
     same order, so the numbers agree across ranks and name the store keys); ``series`` numbers
-    the blocks of each named series apart from it (``save`` to one path); ``depth`` counts
-    bodies running on this rank 0; ``sites`` caches the source check per ``with`` site.
+    the blocks of each named series apart from it (``save`` to one path); ``sites`` caches the
+    source check per ``with`` site. The bodies running on this rank 0 are counted in
+    ``CURRENT.alone`` (a model's call there is not split between the ranks: ``models._at_call``).
     """
 
     def __init__(self) -> None:
         self.sequence = itertools.count()
         self.series: dict[str, int] = {}
-        self.depth = 0
         self.sites: dict[tuple[int, int], tuple[Any, str, str | None]] = {}
 
 
@@ -121,7 +121,7 @@ class Rank0Block:
         checkpoint path, say) is numbered on its own, so rank 0 may also run it alone.
         """
         world = current()
-        if world.world_size == 1 or _STATE.depth:
+        if world.world_size == 1 or CURRENT.alone:
             self._mode = _INLINE
             return
         self._store = _store(world.world_size)
@@ -134,7 +134,7 @@ class Rank0Block:
             self._mode = _SKIP
             return
         self._mode = _RUN
-        _STATE.depth += 1
+        CURRENT.alone += 1
         self._saved = refusals.refuse(self._where)
         self._marked = MARKS.mark(record.RUNS_RANK0, self._where)  # the hang report: rank 0 is busy here
 
@@ -145,7 +145,7 @@ class Rank0Block:
         if self._saved is not None:
             refusals.restore(self._saved)
             self._saved = None
-        _STATE.depth -= 1
+        CURRENT.alone -= 1
         if self._marked:
             MARKS.unmark()
             self._marked = False
