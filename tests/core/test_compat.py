@@ -687,3 +687,22 @@ def test_every_binding_of_a_collective_is_a_site_and_dtensor_gathers_through_fun
             for attribute, value in vars(module).items():
                 if id(value) in originals:
                     assert (id(module), attribute) in found, f"{name}.{attribute}"
+
+
+@pytest.mark.unit
+def test_weight_of_mean_reads_what_a_cross_entropy_divides_by():
+    """``_compat.losses.weight_of_mean`` reads the NLL node's saved target, ignore_index and weight:
+    a torch that renames them fails here (and the split at the model's call then weighs a model's
+    loss by its rows, which the first call's check compares)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    out = torch.randn(6, 3, requires_grad=True)
+    y = torch.tensor([0, 1, 2, -100, 1, -100])
+    assert float(_compat.losses.weight_of_mean(F.cross_entropy(out, y))) == 4.0
+    assert float(_compat.losses.weight_of_mean(F.cross_entropy(out, y.clamp(min=0)) / 2)) == 6.0
+    weights = torch.tensor([1.0, 2.0, 3.0])
+    assert float(_compat.losses.weight_of_mean(F.cross_entropy(out, y, weight=weights))) == 1 + 2 + 3 + 2
+    assert float(_compat.losses.weight_of_mean(F.cross_entropy(out, y.clamp(min=0), ignore_index=1))) == 4.0
+    assert _compat.losses.weight_of_mean(F.cross_entropy(out, y, reduction="sum")) is None
+    assert _compat.losses.weight_of_mean((out**2).mean()) is None

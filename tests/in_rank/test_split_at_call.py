@@ -40,10 +40,17 @@ class TinyLM(nn.Module):
         if targets is None:
             return logits, None
         flat = logits.view(-1, logits.size(-1))
-        return flat if self.flat else logits, F.cross_entropy(flat, targets.view(-1))
+        return flat if self.flat else logits, F.cross_entropy(flat, targets.view(-1), ignore_index=-1)
 
 
-def _lm(loss_inside: bool, batch: int = 8, steps: int = 5, dropout: float = 0.0, flat: bool = False):
+def _lm(
+    loss_inside: bool,
+    batch: int = 8,
+    steps: int = 5,
+    dropout: float = 0.0,
+    flat: bool = False,
+    ignored: float = 0.0,
+):
     """nanoGPT's loop: batches drawn with torch.randint offsets into one tensor (``get_batch``)."""
     torch.manual_seed(0)
     data = torch.randint(0, 16, (400,))
@@ -54,11 +61,12 @@ def _lm(loss_inside: bool, batch: int = 8, steps: int = 5, dropout: float = 0.0,
         ix = torch.randint(len(data) - 9, (batch,))
         x = torch.stack([data[i : i + 8] for i in ix])
         y = torch.stack([data[i + 1 : i + 9] for i in ix])
+        y[torch.rand(y.shape) < ignored] = -1  # (ignore_index: the parts count different targets)
         if loss_inside:
             logits, loss = model(x, y)
         else:
             logits, _ = model(x)
-            loss = F.cross_entropy(logits.reshape(-1, 16), y.reshape(-1))
+            loss = F.cross_entropy(logits.reshape(-1, 16), y.reshape(-1), ignore_index=-1)
         assert logits.shape[0] == batch * (8 if flat else 1)  # the lines after the call: the whole batch's
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -116,6 +124,7 @@ HABITS = {
     "nanoGPT, the loss after the call": lambda: _lm(False),
     "nanoGPT, a batch of 7 (parts of 4 and 3)": lambda: _lm(True, batch=7),
     "ng-video-lecture, logits as [B * T, C], a batch of 7": lambda: _lm(True, batch=7, flat=True),
+    "nanoGPT, a third of the targets ignored (ignore_index)": lambda: _lm(True, ignored=0.3),
     "slices by hand": _sliced,
     "LBFGS over the whole data": _lbfgs,
 }

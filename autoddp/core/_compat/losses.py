@@ -55,3 +55,32 @@ def _weighted(node: Any) -> bool:
         return False
     index = index - 2**64 if index >= 2**63 else index  # (kept as an unsigned 64-bit number)
     return bool((target == index).any())
+
+
+def weight_of_mean(loss: Any) -> torch.Tensor | None:
+    """What ``loss``, a mean from ``nll_loss``/``cross_entropy`` (through scalings), divides by: the
+    summed class weights of the targets it counts (1 each without ``weight=``; none for an ignored
+    one), as a tensor (nothing waits for it); None for any other loss.
+
+    Parts of a batch then combine into the whole batch's mean exactly, weighed by it, whatever
+    ``ignore_index`` left out of each part.
+    """
+    node = getattr(loss, "grad_fn", None)
+    for _ in range(4):
+        if node is None:
+            return None
+        if node.name() in _SCALINGS and len(node.next_functions) == 2 and node.next_functions[1][0] is None:
+            node = node.next_functions[0][0]
+            continue
+        break
+    if node is None or getattr(node, "_saved_reduction", None) != 1:
+        return None
+    target, index = getattr(node, "_saved_target", None), getattr(node, "_saved_ignore_index", None)
+    if not isinstance(target, torch.Tensor) or not isinstance(index, int):
+        return None
+    index = index - 2**64 if index >= 2**63 else index  # (kept as an unsigned 64-bit number)
+    counted = target != index
+    weight = getattr(node, "_saved_weight", None)
+    if isinstance(weight, torch.Tensor):
+        return weight[target.clamp(min=0)].mul(counted).sum()
+    return counted.sum().to(torch.float64)

@@ -9,7 +9,8 @@ what the call returns is made whole again, so that the lines after the call are 
   computes the same loss from the same whole output) times the world size, since DDP averages
   what the ranks' parts sum to;
 - a 0-dim output (a loss the model returns): the ranks' values weighed by their rows, a mean over
-  the batch (``_Parts``), or summed where its graph says it is a sum.
+  the batch (``_Parts``), by the targets a ``cross_entropy`` counts (``ignore_index``, class weights:
+  the parts' means combine into the whole's exactly), or summed where its graph says it is a sum.
 
 Before the first split of a model, ``refusal`` proves on this rank, without gradients and with
 dropout off, that the combined parts equal the whole batch's outputs (no mixing of samples, a mean
@@ -121,9 +122,14 @@ def _map(output: Any, fn: Any) -> Any:
     return output
 
 
-def _share(value: torch.Tensor, rows: int, size: int) -> float:
-    """A 0-dim output's weight in the whole batch's value: its rows' share (a mean), or 1 (a sum)."""
-    return 1.0 if _compat.losses.loss_reduction(value) == "sum" else rows / size
+def _weight(value: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """A 0-dim output's weight among the parts' (None: a sum, the parts add up): what a mean from
+    ``cross_entropy``/``nll_loss`` divides by (the targets it counts: ``ignore_index`` and class
+    weights make the whole batch's mean the parts' weighed by it), else the part's rows."""
+    if _compat.losses.loss_reduction(value) == "sum":
+        return None
+    counted = _compat.losses.weight_of_mean(value)
+    return torch.tensor(float(rows), dtype=torch.float64) if counted is None else counted.to(torch.float64)
 
 
 def combine_locally(outputs: list[Any], parts: Parts, template: Any) -> Any:
@@ -132,8 +138,11 @@ def combine_locally(outputs: list[Any], parts: Parts, template: Any) -> Any:
     def at(path_values: list[torch.Tensor]) -> torch.Tensor:
         first = path_values[0]
         if first.dim() == 0:
-            shares = [_share(v, n, parts.size) for v, n in zip(path_values, parts.sizes, strict=True)]
-            return sum(v * s for v, s in zip(path_values, shares, strict=True))
+            weights = [_weight(v, n) for v, n in zip(path_values, parts.sizes, strict=True)]
+            if any(w is None for w in weights):
+                return sum(path_values)
+            total = sum(weights)
+            return sum(v * (w / total).to(v.dtype) for v, w in zip(path_values, weights, strict=True))
         return torch.cat(path_values)
 
     flat = [_flatten(o) for o in outputs]
@@ -152,8 +161,7 @@ def whole(output: Any, parts: Parts, group: Any = None) -> Any:
 
     def one(value: torch.Tensor) -> torch.Tensor:
         if value.dim() == 0:
-            share = _share(value, parts.n, parts.size)
-            return _Parts.apply(value, share, parts.world_size, group)
+            return _Parts.apply(value, _weight(value, parts.n), parts.world_size, group)
         return _Gather.apply(value, parts.times(value.shape[0] // parts.n), group)
 
     return _map(output, one)
@@ -180,14 +188,24 @@ class _Gather(torch.autograd.Function):
 
 
 class _Parts(torch.autograd.Function):
-    """The ranks' 0-dim values weighed by ``share`` and summed; backward: ``share`` times W."""
+    """The whole batch's value of a 0-dim output: the ranks' values weighed by their ``weight``
+    (a mean), or added (``weight`` None: a sum), in one all-reduce; backward: each rank's share
+    of the whole (its weight over all of them, or 1) times W, since DDP averages."""
 
     @staticmethod
-    def forward(ctx: Any, value: torch.Tensor, share: float, world_size: int, group: Any) -> torch.Tensor:  # type: ignore[override]
-        ctx.scale = share * world_size
-        total = (value.detach() * share).clone()
-        dist.all_reduce(total, group=group)
-        return total
+    def forward(
+        ctx: Any, value: torch.Tensor, weight: torch.Tensor | None, world_size: int, group: Any
+    ) -> torch.Tensor:  # type: ignore[override]
+        if weight is None:
+            ctx.scale = world_size
+            total = value.detach().clone()
+            dist.all_reduce(total, group=group)
+            return total
+        weight = weight.to(value.device)
+        both = torch.stack([value.detach().to(torch.float64) * weight, weight])
+        dist.all_reduce(both, group=group)
+        ctx.scale = (weight / both[1] * world_size).to(value.dtype)
+        return (both[0] / both[1]).to(value.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
