@@ -194,6 +194,19 @@ class HandmadeNorm(nn.Module):
         return self.lin(x - mean)
 
 
+class TimeFirst(nn.Module):
+    """An LSTM over ``[seq, batch, features]`` (``batch_first=False``): the first dimension is time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 3)
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, x):
+        out, _ = self.lstm(x)
+        return self.head(out)
+
+
 class Graph(nn.Module):
     """A full-batch graph layer: the nodes' features and the adjacency share their first dimension."""
 
@@ -212,9 +225,10 @@ def _refused(model_name: str):
         "mixing": Mixing,
         "graph": Graph,
         "handmade norm": HandmadeNorm,
+        "seq first": TimeFirst,
     }[model_name]()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(8, 4)
+    x = torch.randn(8, 3, 4) if model_name == "seq first" else torch.randn(8, 4)
     rows = []
     model.register_forward_pre_hook(
         lambda m, a: rows.append(a[0].shape[0]) if torch.is_grad_enabled() else None
@@ -233,10 +247,12 @@ def _refused(model_name: str):
         ("batchnorm", "BatchNorm1d normalises over the batch"),
         (
             "mixing",
-            "its outputs for parts of a batch differ from the whole batch's (the samples of a batch mix)",
+            "its outputs for parts of a batch differ from the whole batch's (the samples of a batch mix, "
+            "or the arguments' first dimension is not the batch: [seq, batch] inputs)",
         ),
         ("graph", "its forward fails on part of a batch (RuntimeError"),
         ("handmade norm", "the samples of a batch mix"),
+        ("seq first", "[seq, batch] inputs"),
     ],
 )
 def test_a_model_that_mixes_the_samples_of_a_batch_keeps_it_whole_and_says_why(capfd, model_name, reason):

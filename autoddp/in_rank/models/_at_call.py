@@ -259,7 +259,8 @@ def refusal(module: torch.nn.Module, args: tuple, kwargs: dict, parts: Parts) ->
     for mine, theirs in zip(_flatten(combined), _flatten(whole_output), strict=True):
         if mine.shape != theirs.shape or not torch.allclose(mine, theirs, rtol=1e-4, atol=1e-5):
             return (
-                "its outputs for parts of a batch differ from the whole batch's (the samples of a batch mix)"
+                "its outputs for parts of a batch differ from the whole batch's (the samples of a batch mix, "
+                "or the arguments' first dimension is not the batch: [seq, batch] inputs)"
             )
     return None
 
