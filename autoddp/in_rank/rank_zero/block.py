@@ -21,6 +21,7 @@ import functools
 import inspect
 import itertools
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from types import FrameType, TracebackType
@@ -28,12 +29,13 @@ from typing import Any, TypeVar, overload
 
 import torch.distributed as dist
 
-from autoddp.core import _compat, _patches
+from autoddp.core import _compat, _patches, _variables
 from autoddp.core.errors import ConfigurationError, Rank0Error
 from autoddp.core.state import CURRENT
 from autoddp.in_rank.hang import record
 from autoddp.in_rank.hang.marks import MARKS
 from autoddp.in_rank.rank_zero import refusals, skip
+from autoddp.in_rank.run_folder import transport
 from autoddp.in_rank.world import current
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -153,6 +155,7 @@ class Rank0Block:
             value = _OK + self._where.encode()
         else:
             value = json.dumps({**_describe(exc), "where": self._where}).encode()
+            _record_early(exc)
         if self._store is not None:
             self._store.set(self._key, value)
         else:
@@ -367,3 +370,13 @@ def _describe(exc: BaseException) -> dict[str, str]:
     except Exception:
         message = "<the exception's message could not be turned into text>"
     return {"type": name, "message": message}
+
+
+def _record_early(exc: BaseException) -> None:
+    """Under an autoddp launcher, rank 0's record of ``exc`` before the other ranks learn of it: one
+    that fails in consequence may end first, and the launcher then stops rank 0 before its own
+    record (its full one, written as it exits, replaces this)."""
+    folder = os.environ.get(_variables.RUN_FOLDER)
+    if folder:
+        with contextlib.suppress(Exception):
+            transport.save_error(folder, 0, exc)
