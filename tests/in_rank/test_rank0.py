@@ -201,6 +201,24 @@ def test_a_collective_in_a_rank0_block_is_the_error_the_caller_gets():
         train()
 
 
+def test_rank0s_failure_leads_when_rank_0_is_slower_to_end_than_the_ranks_it_failed():
+    """Rank 1 learns of rank 0's failure at once, raises and ends; the launcher then stops rank 0,
+    still in its teardown. The caller gets rank 0's own exception (its record was written before
+    the others learned of it), not rank 1's Rank0Error (CI got that under load)."""
+
+    @autoddp.distributed(nproc=2)
+    def train():
+        try:
+            with rank0():
+                raise CustomError("the cause")
+        finally:
+            if autoddp.rank() == 0:
+                time.sleep(5)  # rank 0 slow to end
+
+    with pytest.raises(CustomError, match="the cause"):
+        train()
+
+
 @pytest.mark.unit
 def test_a_collective_refused_in_rank0_is_a_cause_and_rank0error_a_consequence(tmp_path):
     from autoddp.in_rank.run_folder import transport
