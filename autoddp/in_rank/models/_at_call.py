@@ -30,9 +30,8 @@ import torch.distributed as dist
 from autoddp.core import _compat
 from autoddp.core.errors import ConfigurationError
 from autoddp.core.state import CURRENT
+from autoddp.in_rank.models._split import BATCHNORMS
 
-#: torch's BatchNorm classes: in training they normalise over the batch (said by name).
-_BATCHNORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
 #: torch's dropout layers: off for the check only (their masks differ between a batch and its parts).
 _DROPOUTS = (
     torch.nn.Dropout,
@@ -236,7 +235,9 @@ def refusal(module: torch.nn.Module, args: tuple, kwargs: dict, parts: Parts) ->
     running the whole batch and each rank's rows on this rank, without gradients, in training
     mode but with torch's dropout layers off (a layer that mixes the samples of a batch in
     training only, a hand-written batch norm, differs there; randomness of its own too)."""
-    norms = [type(m).__name__ for m in module.modules() if isinstance(m, _BATCHNORMS) and m.training]
+    norms = [
+        type(m).__name__ for m in module.modules() if isinstance(m, BATCHNORMS) and m.training
+    ]  # (in training: over the batch)
     if norms:
         return f"{norms[0]} normalises over the batch"
     with torch.no_grad(), torch.random.fork_rng(devices=[]), _trial(module):

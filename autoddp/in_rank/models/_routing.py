@@ -102,11 +102,11 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     _ROUTING.calls += 1
     replica.forwards += 1
     try:
-        with _at_call.own_noise(parts, replica.forwards) if parts else contextlib.nullcontext():
-            if replica.watched and replica.defers(ddp):  # gradient accumulation (``_window``)
-                result, synced = _deferred(ddp, args, kwargs), False
-            else:
-                result, synced = ddp(*args, **kwargs), ddp.require_backward_grad_sync
+        if parts is None:
+            result, synced = _forward(replica, ddp, args, kwargs)
+        else:  # its own random numbers for its rows (dropout), the caller's streams left alike
+            with _at_call.own_noise(parts, replica.forwards):
+                result, synced = _forward(replica, ddp, args, kwargs)
         if replica.watched:  # an optimizer's guard reads which backward passes DDP averaged
             replica.reduction.forwarded(result, synced)
         if CURRENT.split_weight is not None:  # split_batches: this rank's part weighs its share
@@ -121,6 +121,13 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         raise explained from error
     finally:
         _ROUTING.inside = replica.inside = False
+
+
+def _forward(replica: Replica, ddp: Any, args: tuple, kwargs: dict) -> tuple[Any, bool]:
+    """The DDP's forward, and whether its backward synchronises (gradient accumulation: ``_window``)."""
+    if replica.watched and replica.defers(ddp):
+        return _deferred(ddp, args, kwargs), False
+    return ddp(*args, **kwargs), ddp.require_backward_grad_sync
 
 
 def _deferred(ddp: torch.nn.parallel.DistributedDataParallel, args: tuple, kwargs: dict) -> Any:

@@ -28,7 +28,7 @@ from autoddp.core import _class_swap, _compat, _containers, _warn
 from autoddp.core.state import CURRENT
 
 #: torch's public BatchNorm classes (BatchNorm1d/2d/3d share one forward; SyncBatchNorm has its own).
-_BATCHNORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
+BATCHNORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
 
 
 def weigh(output: Any, weight: float) -> None:
@@ -129,7 +129,7 @@ def convert_batchnorms(module: torch.nn.Module) -> int:
     count = 0
     for sub in module.modules():
         cls = type(sub)
-        if not isinstance(sub, _BATCHNORMS) or _class_swap.PLAIN_CLASS in cls.__dict__:
+        if not isinstance(sub, BATCHNORMS) or _class_swap.PLAIN_CLASS in cls.__dict__:
             continue
         if cls.forward is not torch.nn.BatchNorm1d.forward and not issubclass(cls, torch.nn.SyncBatchNorm):
             continue  # a forward of the user's own: left as it is
