@@ -119,13 +119,18 @@ FAKE_GPUS = """
         torch.cuda.set_device = lambda device: os.environ.__setitem__("PINNED", str(device))
 """
 
-#: Each rank writes, where NCCL's flight recorder would dump it, the environment it got; rank 1 fails.
+#: Each rank writes, where NCCL's flight recorder would dump it, the environment it got; rank 1
+#: fails once rank 0's dump is whole (else the launcher may stop rank 0 before it has dumped).
 DUMPING = """
-    import json, os
-    rank = os.environ["RANK"]
-    with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + rank, "w") as dump:
+    import json, os, time
+    rank, prefix = os.environ["RANK"], os.environ["TORCH_FR_DUMP_TEMP_FILE"]
+    with open(prefix + rank + ".part", "w") as dump:
         json.dump(dict(os.environ), dump)
+    os.replace(prefix + rank + ".part", prefix + rank)
     if rank == "1":
+        deadline = time.monotonic() + 60
+        while not os.path.exists(prefix + "0") and time.monotonic() < deadline:
+            time.sleep(0.01)
         raise SystemExit(3)
 """
 
