@@ -10,7 +10,9 @@ take turns in blocks of ``--steps`` steps, the order rotating every round. Every
 in phases (data, forward, zero_grad, backward, step). ``--clock cpu`` (the default) reads the
 main thread's CPU time: what the rank itself spends, left untouched by waiting for the other
 rank in the all-reduce and by other programs' load, so that a few µs show on a busy machine;
-``wall`` reads ``perf_counter``.
+``wall`` reads ``perf_counter``. ``instructions`` counts, with valgrind's callgrind, the
+instructions of the main thread in each block (``instructions.py``): no load changes them, so a
+piece of a few µs shows without hundreds of rounds; the run takes minutes (valgrind).
 
 The captured contender runs in variants that switch autoddp's pieces off one after another:
 
@@ -63,6 +65,7 @@ from autoddp.core.state import CURRENT
 from autoddp.in_rank.hang import marks
 from autoddp.in_rank.models import _routing
 
+import instructions
 from common import BATCH_SIZE, make_dataset, make_model
 
 PHASES = ("data", "forward", "zero_grad", "backward", "step", "total")
@@ -157,8 +160,14 @@ def contenders(size: str) -> tuple[dict[str, tuple], Switches]:
 
 
 def phases(size: str, rounds: int, steps: int, clock_name: str) -> dict[str, Any]:
-    """Median µs per phase of every contender, and each block's medians (rounds in a rotating order)."""
-    clock = time.thread_time_ns if clock_name == "cpu" else time.perf_counter_ns
+    """Median µs per phase of every contender, and each block's medians (rounds in a rotating order).
+
+    ``instructions``: the phases are not timed; each block's instructions per step are its
+    ``total`` (in thousands, where the clocks give µs).
+    """
+    clock = {"cpu": time.thread_time_ns, "wall": time.perf_counter_ns}.get(clock_name, lambda: 0)
+    counter = instructions.Counter() if clock_name == "instructions" else None
+    order: list[str] = []
     table, switches = contenders(size)
     names = list(table)
     recorded: dict[str, dict[str, list[int]]] = {name: {p: [] for p in PHASES} for name in names}
@@ -170,15 +179,21 @@ def phases(size: str, rounds: int, steps: int, clock_name: str) -> dict[str, Any
             model, optimizer, data, pieces = table[name]
             dist.barrier()
             block: dict[str, list[int]] = {p: [] for p in PHASES}
-            with switches.off(pieces):
+            with switches.off(pieces), counter.block() if counter else contextlib.nullcontext():
                 for _ in range(steps):
                     timed_step(model, optimizer, data, clock, block)
-            if number >= warm_up:
+            order.append(name)
+            if number >= warm_up and counter is None:
                 for phase, spent in block.items():
                     recorded[name][phase] += spent
                     blocks[name][phase].append(statistics.median(spent) / 1e3)
+    if counter is not None:  # each block's instructions per step, in thousands, as its total
+        for name, count in list(zip(order, counter.read(), strict=True))[warm_up * len(names) :]:
+            blocks[name]["total"].append(count / steps / 1e3)
+            recorded[name]["total"].append(count / steps)
     figures: dict[str, Any] = {
-        name: {p: statistics.median(v) / 1e3 for p, v in rec.items()} for name, rec in recorded.items()
+        name: {p: statistics.median(v) / 1e3 if v else float("nan") for p, v in rec.items()}
+        for name, rec in recorded.items()
     }
     figures["_blocks"] = blocks  # (for the paired differences; taken out before returning)
     figures["_switches"] = switches  # (for the tight loops)
@@ -261,7 +276,7 @@ def measure(size: str, rounds: int, steps: int, clock: str) -> dict[str, Any]:
     figures = phases(size, rounds, steps, clock)
     switches, table = figures.pop("_switches"), figures.pop("_table")
     figures["pieces_us"] = pieces(figures.pop("_blocks"))
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and clock != "instructions":
         figures["tight_loops_us"] = tight_loops(table, switches)
     dist.barrier()
     figures["capture"] = CURRENT.capture is not None
@@ -273,6 +288,8 @@ def _paired(blocks: dict[str, dict[str, list[float]]], ours: str, theirs: str) -
     (blocks next to each other in time: the machine's drift falls on both)."""
     return {
         p: statistics.median(a - b for a, b in zip(blocks[ours][p], blocks[theirs][p], strict=True))
+        if blocks[ours][p]
+        else float("nan")  # (instructions: the total alone)
         for p in PHASES
     }
 
@@ -303,15 +320,18 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int, default=200, help="timed rounds (every contender one block each)"
     )
     parser.add_argument("--steps", type=int, default=10, help="steps per block")
-    parser.add_argument("--clock", default="cpu", choices=("cpu", "wall"))
+    parser.add_argument("--clock", default="cpu", choices=("cpu", "wall", "instructions"))
     args = parser.parse_args(argv)
+    if args.clock == "instructions" and not instructions.under_valgrind():
+        return instructions.rerun([__file__, *(sys.argv[1:] if argv is None else argv)])
     run = autoddp.distributed(nproc=2, backend="gloo")(measure)
     figures = run(args.size, args.rounds, args.steps, args.clock)
     if not figures.pop("capture"):
         print("capture was off: nothing to compare", file=sys.stderr)
         return 1
-    loops = figures.pop("tight_loops_us")
-    print(f"median µs per step ({args.clock} clock, rank 0, {args.size} model)")
+    loops = figures.pop("tight_loops_us", {})
+    unit = "thousand instructions (the main thread's, callgrind)" if args.clock == "instructions" else "µs"
+    print(f"median {unit} per step ({args.clock} clock, rank 0, {args.size} model; instructions: total only)")
     print(f"{'':28}" + "".join(f"{p:>10}" for p in PHASES))
     for name in (*VARIANTS, *BASELINES):
         print(f"{name:28}" + "".join(f"{figures[name][p]:10.1f}" for p in PHASES))
