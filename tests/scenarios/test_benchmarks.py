@@ -307,3 +307,34 @@ def test_split_at_call_times_both_and_finds_the_same_losses():
     figures = _figures("split_at_call", ["--rounds", "1", "--steps", "2", "--width", "16"], timeout=300)
     assert len(figures["rounds"]) == 1 and figures["rounds"][0]["same_loss"]
     assert figures["vs_one"] > 0 and figures["vs_one_device"] > 0
+
+
+# --- memory_estimate.py -------------------------------------------------------------------
+
+
+def test_memory_estimate_measures_each_case_in_a_fresh_process_and_prints_the_table_and_json():
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "memory_estimate.py"),
+            "--only",
+            "2,11",
+            "--scale",
+            "0.1",
+            "--steps",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    figures = json.loads(lines[-1])
+    assert [c["model"] for c in figures["cases"]] == ["mlp 8x2048", "embedding 100k x 256"]
+    mlp = figures["cases"][0]
+    assert mlp["optimizer"] == "Adam" and mlp["state"] == 2 * mlp["params"] == 2 * mlp["grads"] > 0
+    assert all(
+        c["measured"] > 0 and c["ratio"] == round(c["estimate"] / c["measured"], 3) for c in figures["cases"]
+    )
+    assert lines[0].startswith("| model | optimizer |") and any("within ±15%" in line for line in lines)

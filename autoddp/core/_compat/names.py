@@ -46,6 +46,9 @@ PRIVATE = {
     "multiprocessing.process.BaseProcess._kwargs": "what a process the user's code started is given",
     "atexit._run_exitfuncs": "the process's exit hooks, run before a fast exit",
     "atexit._clear": "the exit hooks a forked worker inherited, dropped",
+    "torch._subclasses.fake_tensor": "fake tensors' module",
+    "torch._subclasses.fake_tensor.FakeTensorMode": "tensors without memory on the device's own kernels: "
+    "the memory estimate's forward",
 }
 
 #: Private CPython names used across the package: documented, stable parts of the language.

@@ -1,0 +1,274 @@
+"""The memory estimate (``autoddp.core.memory``) against the measured peak of a training step.
+
+    python benchmarks/memory_estimate.py [--only NAME,...] [--scale F] [--steps N]
+
+For each model of ``CASES`` (MLPs, convnets with BatchNorm, transformers, an embedding-heavy
+model, tied weights, an LSTM; SGD with and without momentum, Adam, AdamW, Adagrad, RMSprop), a
+fresh Python process joins a gloo group of one, makes the batch, and reads its resident set; then
+resets the peak resident set (``/proc/self/clear_refs``, "5", as ``benchmarks/memory.py``),
+builds the model, wraps it in ``DistributedDataParallel(gradient_as_bucket_view=True)`` (autoddp's
+DDP) and trains ``--steps`` steps (zero_grad, forward, ``output.square().mean()``, backward,
+``optimizer.step()``) on CPU. Measured: the peak resident set (``VmHWM``) less the resident set
+before the model. Estimated: ``estimate(..., plan="ddp")`` for the same model, batch and optimizer.
+Prints a markdown table (model, optimizer, the estimate's parts, measured, ratio) and, last, one
+JSON object. ``--scale`` multiplies the widths (a quick check: 0.25).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Case:
+    """One model, its batch and its optimizer: ``build(scale)`` returns (model, inputs)."""
+
+    name: str
+    build: Callable[[float], tuple[nn.Module, tuple]]
+    optimizer: type
+    options: dict
+
+
+def _w(width: int, scale: float) -> int:
+    return max(8, int(width * scale))
+
+
+def mlp(width: int, depth: int, batch: int) -> Callable[[float], tuple[nn.Module, tuple]]:
+    def build(scale: float) -> tuple[nn.Module, tuple]:
+        w = _w(width, scale)
+        layers: list[nn.Module] = []
+        for _ in range(depth):
+            layers += [nn.Linear(w, w), nn.ReLU()]
+        return nn.Sequential(*layers, nn.Linear(w, 10)), (torch.randn(batch, w),)
+
+    return build
+
+
+def convnet(channels: int, batch: int, side: int) -> Callable[[float], tuple[nn.Module, tuple]]:
+    def build(scale: float) -> tuple[nn.Module, tuple]:
+        c = _w(channels, scale)
+        layers: list[nn.Module] = [nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU()]
+        for i in range(3):
+            layers += [nn.Conv2d(c << i, c << (i + 1), 3, padding=1, stride=2), nn.BatchNorm2d(c << (i + 1))]
+            layers += [nn.ReLU()]
+        layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c << 3, 100)]
+        return nn.Sequential(*layers), (torch.randn(batch, 3, side, side),)
+
+    return build
+
+
+def transformer(
+    width: int, layers: int, batch: int, length: int
+) -> Callable[[float], tuple[nn.Module, tuple]]:
+    def build(scale: float) -> tuple[nn.Module, tuple]:
+        w = _w(width, scale) // 8 * 8
+        layer = nn.TransformerEncoderLayer(w, 8, 4 * w, dropout=0.0, batch_first=True)
+        return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False), (
+            torch.randn(batch, length, w),
+        )
+
+    return build
+
+
+class Bag(nn.Module):
+    """An embedding-heavy model: a large table, the mean of the looked-up rows, a small head."""
+
+    def __init__(self, rows: int, width: int) -> None:
+        super().__init__()
+        self.table = nn.Embedding(rows, width)
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.table(ids).mean(dim=1))
+
+
+class TiedLM(nn.Module):
+    """A small language model whose output layer is its embedding (tied weights: one parameter)."""
+
+    def __init__(self, vocabulary: int, width: int, layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocabulary, width)
+        layer = nn.TransformerEncoderLayer(width, 8, 4 * width, dropout=0.0, batch_first=True)
+        self.body = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.out = nn.Linear(width, vocabulary, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.body(self.embed(ids)))
+
+
+class Recurrent(nn.Module):
+    """An LSTM over a sequence, and a head on its last step."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(width, hidden, num_layers=2, batch_first=True)
+        self.head = nn.Linear(hidden, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0][:, -1])
+
+
+def _bag(scale: float) -> tuple[nn.Module, tuple]:
+    rows = _w(100_000, scale)
+    return Bag(rows, 256), (torch.randint(0, rows, (256, 32)),)
+
+
+def _tied(scale: float) -> tuple[nn.Module, tuple]:
+    vocabulary = _w(32_000, scale)
+    return TiedLM(vocabulary, 256, 2), (torch.randint(0, vocabulary, (8, 128)),)
+
+
+def _lstm(scale: float) -> tuple[nn.Module, tuple]:
+    return Recurrent(_w(512, scale), _w(1024, scale)), (torch.randn(32, 64, _w(512, scale)),)
+
+
+SGD, ADAM, ADAMW = torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW
+CASES = [
+    Case("mlp 8x2048", mlp(2048, 8, 64), SGD, {"lr": 0.01}),
+    Case("mlp 8x2048", mlp(2048, 8, 64), SGD, {"lr": 0.01, "momentum": 0.9}),
+    Case("mlp 8x2048", mlp(2048, 8, 64), ADAM, {"lr": 1e-3}),
+    Case("mlp 3x4096", mlp(4096, 3, 64), ADAMW, {"lr": 1e-3, "weight_decay": 0.01}),
+    Case("mlp 8x2048", mlp(2048, 8, 64), torch.optim.Adagrad, {"lr": 0.01}),
+    Case(
+        "mlp 8x2048", mlp(2048, 8, 64), torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.9, "centered": True}
+    ),
+    Case("mlp 8x1024, batch 4096", mlp(1024, 8, 4096), SGD, {"lr": 0.01}),
+    Case("convnet+BatchNorm", convnet(64, 32, 64), SGD, {"lr": 0.01, "momentum": 0.9}),
+    Case("convnet+BatchNorm", convnet(128, 16, 64), ADAM, {"lr": 1e-3}),
+    Case("transformer 6x512", transformer(512, 6, 16, 128), ADAM, {"lr": 1e-3}),
+    Case("transformer 4x768", transformer(768, 4, 8, 256), ADAMW, {"lr": 1e-3, "weight_decay": 0.01}),
+    Case("embedding 100k x 256", _bag, ADAM, {"lr": 1e-3}),
+    Case("tied LM, 32k vocabulary", _tied, ADAMW, {"lr": 1e-3}),
+    Case("LSTM 2x1024", _lstm, torch.optim.RMSprop, {"lr": 0.01}),
+    Case("LSTM 2x1024", _lstm, torch.optim.Adagrad, {"lr": 0.01}),
+]
+
+
+def _label(case: Case) -> str:
+    settings = ", ".join(f"{k}={v}" for k, v in case.options.items() if k != "lr")
+    return f"{case.optimizer.__name__}({settings})" if settings else case.optimizer.__name__
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status: this benchmark needs Linux")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # Linux: the peak resident set starts again from now
+
+
+def measure_case(index: int, scale: float, steps: int) -> dict:
+    """In this (fresh) process: the measured peak of ``steps`` steps of case ``index``, and the estimate."""
+    import torch.distributed as dist
+
+    from autoddp.core.memory.estimate import estimate
+
+    case = CASES[index]
+    with tempfile.TemporaryDirectory() as folder:
+        dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=0, world_size=1)
+        torch.manual_seed(0)
+        _, inputs = case.build(scale)  # the batch: the data's, made before the baseline
+        torch.manual_seed(0)
+        _reset_peak()
+        before_kb = _status_kb("VmRSS")
+        model, _ = case.build(scale)
+        del _
+        ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+        optimizer = case.optimizer(ddp.parameters(), **case.options)
+        for _ in range(steps):
+            optimizer.zero_grad()
+            ddp(*inputs).square().mean().backward()
+            optimizer.step()
+        measured = (_status_kb("VmHWM") - before_kb) * 1024
+        dist.destroy_process_group()
+    fresh, _ = case.build(scale)  # the estimate sees the model before any step, as autoddp does
+    found = estimate(fresh, inputs, optimizer=case.optimizer, optimizer_kwargs=case.options, plan="ddp")
+    parts = ("params", "grads", "activations", "transient")
+    return {
+        "model": case.name,
+        "optimizer": _label(case),
+        "parameters": sum(p.numel() for p in fresh.parameters()),
+        **{part: getattr(found, part) for part in parts},
+        "state": found.optimizer,
+        "estimate": found.total,
+        "measured": measured,
+        "ratio": round(found.total / measured, 3),
+        "notes": list(found.notes),
+    }
+
+
+def run_case(index: int, scale: float, steps: int, timeout: float = 600) -> dict:
+    """Case ``index`` in a fresh interpreter (nothing of another case's memory in its figures)."""
+    arguments = ["--case", str(index), "--scale", str(scale), "--steps", str(steps)]
+    result = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), *arguments],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")},
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"case {CASES[index].name} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def table(rows: list[dict]) -> list[str]:
+    """The markdown table: model, optimizer, the estimate's parts (MiB), measured, ratio."""
+    lines = [
+        "| model | optimizer | params | grads | optimizer state | activations | transient "
+        "| estimate | measured | ratio |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for row in rows:
+        figures = [row[k] / MiB for k in ("params", "grads", "state", "activations", "transient")]
+        figures += [row["estimate"] / MiB, row["measured"] / MiB]
+        cells = " | ".join(f"{value:.1f}" for value in figures)
+        lines.append(f"| {row['model']} | {row['optimizer']} | {cells} | {row['ratio']:.2f} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="comma-separated case numbers (0-based)")
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--case", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.case is not None:
+        print(json.dumps(measure_case(args.case, args.scale, args.steps)))
+        return 0
+    chosen = [int(i) for i in args.only.split(",")] if args.only else range(len(CASES))
+    rows = [run_case(i, args.scale, args.steps) for i in chosen]
+    print("\n".join(table(rows)))
+    ratios = [row["ratio"] for row in rows]
+    within = sum(0.85 <= r <= 1.15 for r in ratios)
+    print(f"\n{within} of {len(rows)} within ±15% (ratio = estimate / measured)")
+    print(
+        json.dumps(
+            {"cases": rows, "within_15_percent": within, "ratio_min": min(ratios), "ratio_max": max(ratios)}
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
