@@ -91,5 +91,6 @@ class Counter:
             found[number] = int(totals.split()[1])
         numbers = sorted(found)[-self.blocks :]
         if len(numbers) != self.blocks:
-            raise RuntimeError(f"callgrind wrote {len(numbers)} counts for {self.blocks} blocks in {self.folder}")
+            found_ = f"callgrind wrote {len(numbers)} counts for {self.blocks} blocks"
+            raise RuntimeError(f"{found_}: {self.folder}")
         return [found[n] for n in numbers]

@@ -61,11 +61,12 @@ from torch.optim import optimizer as torch_optimizer
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 import autoddp
+import instructions
 from autoddp.core.state import CURRENT
+from autoddp.in_rank import step_report
 from autoddp.in_rank.hang import marks
 from autoddp.in_rank.models import _routing
 
-import instructions
 from common import BATCH_SIZE, make_dataset, make_model
 
 PHASES = ("data", "forward", "zero_grad", "backward", "step", "total")
@@ -172,7 +173,7 @@ def phases(size: str, rounds: int, steps: int, clock_name: str) -> dict[str, Any
     names = list(table)
     recorded: dict[str, dict[str, list[int]]] = {name: {p: [] for p in PHASES} for name in names}
     blocks: dict[str, dict[str, list[float]]] = {name: {p: [] for p in PHASES} for name in names}
-    warm_up = 3
+    warm_up = 1 if counter else 3  # (instructions: no cache or clock to warm, only first calls)
     for number in range(warm_up + rounds):
         turn = number % len(names)
         for name in names[turn:] + names[:turn]:
@@ -273,6 +274,10 @@ def tight_loops(table: dict[str, tuple], switches: Switches) -> dict[str, float]
 
 def measure(size: str, rounds: int, steps: int, clock: str) -> dict[str, Any]:
     """The decorated function's body: the phases on every rank, the tight loops on rank 0."""
+    if clock == "instructions":
+        # The step report times a step's backward to its end once per SAMPLE_SECONDS: under valgrind,
+        # steps 50 times longer, nearly every step, where natively one in ~60 (its cost: step_report.py).
+        step_report.SAMPLE_SECONDS = float("inf")
     figures = phases(size, rounds, steps, clock)
     switches, table = figures.pop("_switches"), figures.pop("_table")
     figures["pieces_us"] = pieces(figures.pop("_blocks"))
