@@ -18,12 +18,14 @@ BATCH_SIZE = 64  # per process
 SAMPLES = 4096  # in the whole data set; each of 2 processes gets 2048 (32 batches) per epoch
 FIRST_STEP_MODEL = "medium"
 FIRST_STEP_STEPS = 20  # steps the launch benchmarks train for before they exit
-FEATURES = {"small": 16, "medium": 256}
-CLASSES = {"small": 4, "medium": 10}
+FEATURES = {"small": 16, "medium": 256, "deep": 16}
+CLASSES = {"small": 4, "medium": 10, "deep": 4}
+DEEP_LAYERS = 24
 
 
 def make_model(size: str) -> torch.nn.Module:
-    """``small``: one Linear 16->4, where wrapper overhead shows most; ``medium``: an MLP (~400k params)."""
+    """``small``: one Linear 16->4, where wrapper overhead shows most; ``medium``: an MLP (~400k params);
+    ``deep``: 24 small Linear layers (16 wide), where a cost per submodule shows."""
     if size == "small":
         return torch.nn.Linear(FEATURES["small"], CLASSES["small"])
     if size == "medium":
@@ -34,7 +36,12 @@ def make_model(size: str) -> torch.nn.Module:
             torch.nn.ReLU(),
             torch.nn.Linear(512, CLASSES["medium"]),
         )
-    raise ValueError(f"unknown model size {size!r}: use 'small' or 'medium'")
+    if size == "deep":
+        layers: list[torch.nn.Module] = []
+        for _ in range(DEEP_LAYERS - 1):
+            layers += [torch.nn.Linear(FEATURES["deep"], FEATURES["deep"]), torch.nn.Tanh()]
+        return torch.nn.Sequential(*layers, torch.nn.Linear(FEATURES["deep"], CLASSES["deep"]))
+    raise ValueError(f"unknown model size {size!r}: use 'small', 'medium' or 'deep'")
 
 
 def make_dataset(size: str, seed: int = 0) -> TensorDataset:

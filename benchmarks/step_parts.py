@@ -1,6 +1,6 @@
 """Where autoddp's time goes in a training step: each piece it adds, switched off one after another.
 
-    python benchmarks/step_parts.py [--size small|medium] [--rounds N] [--steps N] [--clock cpu|wall]
+    python benchmarks/step_parts.py [--size small|medium|deep] [--rounds N] [--steps N] [--clock cpu|wall]
 
 One run of 2 gloo workers under ``@autoddp.distributed`` with capture on (what ``autoddp
 script.py`` runs; the hang report's marks on). In the same processes, plain single-process code
@@ -26,8 +26,9 @@ The captured contender runs in variants that switch autoddp's pieces off one aft
   (``models._averaging``);
 - ``- sampler``: autoddp's sharded sampler (its loader is swapped for hand-written DDP's);
 - ``- hang marks``: the marks around ``backward()`` write nothing (``in_rank.hang.marks``);
-- ``- capture hooks``: ``torch.autograd.backward``'s wrappers (capture's first check, the
-  backward counting, the marks' frame) and capture's global optimizer step hook taken out;
+- ``- step hooks``: the global optimizer step pre-hooks taken out (capture's, the step report's);
+- ``- backward wrappers``: ``torch.autograd.backward``'s wrappers (capture's first check, the
+  backward counting, the step report's and the marks' frames) taken out;
 
 then hand-written DDP with those global hooks on (``ddp under autoddp``: what a script that
 makes its own DDP pays under the command) and off (``ddp``: what torchrun runs). A piece costs
@@ -71,7 +72,16 @@ from common import BATCH_SIZE, make_dataset, make_model
 
 PHASES = ("data", "forward", "zero_grad", "backward", "step", "total")
 #: The captured contender's variants, each switching off one more piece (module docstring).
-VARIANTS = ("decorated", "captured", "- ledger", "- guard", "- sampler", "- hang marks", "- capture hooks")
+VARIANTS = (
+    "decorated",
+    "captured",
+    "- ledger",
+    "- guard",
+    "- sampler",
+    "- hang marks",
+    "- step hooks",
+    "- backward wrappers",
+)
 BASELINES = ("ddp under autoddp", "ddp")
 
 
@@ -125,8 +135,9 @@ class Switches:
         if pieces >= 5:
             marks.MARKS.thread = -2  # (the marks' wrappers pass through: not this thread's calls)
         if pieces >= 6:
-            torch.autograd.backward = self.plain_backward
             torch_optimizer._global_optimizer_pre_hooks.clear()
+        if pieces >= 7:
+            torch.autograd.backward = self.plain_backward
         try:
             yield
         finally:
@@ -308,7 +319,8 @@ def pieces(blocks: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, flo
         "guard",
         "sampler",
         "hang marks",
-        "capture hooks",
+        "global step hooks",
+        "backward wrappers",
         "routing (the rest)",
     ]
     found = {name: _paired(blocks, chain[i], chain[i + 1]) for i, name in enumerate(names)}
@@ -320,7 +332,7 @@ def pieces(blocks: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, flo
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="small", choices=("small", "medium"))
+    parser.add_argument("--size", default="small", choices=("small", "medium", "deep"))
     parser.add_argument(
         "--rounds", type=int, default=200, help="timed rounds (every contender one block each)"
     )
