@@ -546,6 +546,23 @@ def test_weights_only_loading_takes_a_set_from_its_release():
             torch.load(buffer, weights_only=True)
 
 
+@pytest.mark.unit
+def test_fake_tensors_hold_no_memory_and_the_watch_sees_each_operations_results():
+    from autoddp.core._compat import fake
+
+    mode = fake.fake_tensor_mode()
+    weight = mode.from_tensor(torch.ones(1000, 1000))
+    seen: list[tuple[str, list]] = []
+    with mode, fake.new_tensors_watch(lambda name, tensors: seen.append((name, tensors))):
+        product = weight @ weight
+        pair = torch.ones(3).chunk(2)
+    assert type(product) is not torch.Tensor and product.untyped_storage().nbytes() == 4_000_000
+    names = [name for name, _ in seen]
+    assert names[:2] == ["aten.mm.default", "aten.ones.default"] and "aten.split.Tensor" in names
+    split = seen[names.index("aten.split.Tensor")][1]
+    assert seen[0][1][0] is product and len(split) == 2 and split[0] is pair[0]
+
+
 def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 

@@ -337,4 +337,5 @@ def test_memory_estimate_measures_each_case_in_a_fresh_process_and_prints_the_ta
     assert all(
         c["measured"] > 0 and c["ratio"] == round(c["estimate"] / c["measured"], 3) for c in figures["cases"]
     )
+    assert all(c["measured_returned"] > 0 and c["ratio_returned"] > 0 for c in figures["cases"])
     assert lines[0].startswith("| model | optimizer |") and any("within ±15%" in line for line in lines)

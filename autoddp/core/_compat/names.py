@@ -49,6 +49,9 @@ PRIVATE = {
     "torch._subclasses.fake_tensor": "fake tensors' module",
     "torch._subclasses.fake_tensor.FakeTensorMode": "tensors without memory on the device's own kernels: "
     "the memory estimate's forward",
+    "torch.utils._python_dispatch": "torch's dispatch modes' module",
+    "torch.utils._python_dispatch.TorchDispatchMode": "each operation's results seen as it runs: the "
+    "memory estimate's live bytes",
 }
 
 #: Private CPython names used across the package: documented, stable parts of the language.
