@@ -6,8 +6,6 @@ and equal to one process with the global batch, values read from the weights, th
 
 from __future__ import annotations
 
-import contextlib
-import sys
 import warnings
 
 import torch
@@ -174,46 +172,6 @@ def test_an_auxiliary_loss_through_a_submodule_is_averaged_and_said_once():
     assert len(messages) == 1, messages
     text, filename = messages[0]
     assert "EncoderHead" in text and "submodules" in text and filename == __file__
-
-
-def _watcher_calls() -> tuple[int, int, int]:
-    """How often a submodule's watcher ran: inside the model's forwards, for a call beside it, and
-    for a call beside it after a forward that raised."""
-    from autoddp.in_rank.models import _routing
-
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(12)])
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(autoddp.rank()))  # (not split at the call)
-    watcher = _routing._Watch.__call__.__code__
-    counts = []
-
-    def counted(call):
-        ran = []
-        sys.setprofile(lambda frame, event, _: event == "call" and frame.f_code is watcher and ran.append(1))
-        try:
-            return call()
-        finally:
-            sys.setprofile(None)
-            counts.append(len(ran))
-
-    for _ in range(3):
-        opt.zero_grad()
-        counted(lambda: model(x)).pow(2).mean().backward()
-        opt.step()
-    inside = sum(counts)
-    beside = counted(lambda: model[3](x)) is not None and counts[-1]
-    with contextlib.suppress(RuntimeError):
-        model(torch.randn(8, 5))
-    counted(lambda: model[3](x))
-    return inside, beside, counts[-1]
-
-
-def test_inside_the_model_s_forward_no_submodule_pays_for_its_watcher():
-    """The watchers that count calls beside the DDP (issue 40: a step's cost flat in the model's
-    size) are quiet while the DDP's forward runs, and watch again after it, raised or not."""
-    run = autoddp.distributed(nproc=2)(_watcher_calls)
-    assert run() == (0, 1, 1)
 
 
 # --- 11: strategy="fsdp": what a script reads from its (sharded) weights ----------------------

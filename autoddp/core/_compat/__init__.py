@@ -17,19 +17,24 @@ from typing import Any
 import torch
 
 from autoddp.core._compat import losses, releases  # noqa: F401 (losses: read as _compat.losses)
-from autoddp.core._compat.needs import _need
 from autoddp.core._compat.releases import torch_at_least
-from autoddp.core._compat.routes import (  # noqa: F401 (read as _compat.route_calls, ...)
-    own_call,
-    quiet_routes,
-    restore_routes,
-    route_calls,
-    routed_call,
-)
 from autoddp.core.errors import TorchCompatibilityError
 
 #: The private function DDP's forward uses to broadcast buffers from rank 0 (a collective).
 DDP_BUFFER_BROADCAST = "_broadcast_coalesced"
+
+
+def _need(owner: Any, name: str, what: str) -> Any:
+    """``owner.name``, or a TorchCompatibilityError saying what autoddp needed it for."""
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        label = getattr(owner, "__name__", type(owner).__name__)
+        raise TorchCompatibilityError(
+            f"autoddp needs {label}.{name} ({what}), and torch {torch.__version__} does not have it: "
+            "this torch release changed an internal autoddp relies on. Use a torch version autoddp "
+            "supports, or report it to autoddp with this message"
+        ) from None
 
 
 #: Where DTensor lives (public from torch 2.5; before, in ``torch.distributed._tensor``).
@@ -218,6 +223,31 @@ def compile_result_calling(module: torch.nn.Module) -> torch.nn.Module | None:
                 return result
         frame = frame.f_back
     return None
+
+
+def routed_call(module: torch.nn.Module) -> Any:
+    """What ``module(...)`` runs instead of its own call (``route_calls``, ``Module.compile()``); or None."""
+    _need(torch.nn.Module, "_compiled_call_impl", "to see calls of a submodule")
+    return module.__dict__.get("_compiled_call_impl")
+
+
+def own_call(module: torch.nn.Module) -> Any:
+    """``module``'s own call (hooks and ``forward``), which ``module(...)`` runs unless routed."""
+    return _need(module, "_call_impl", "to see calls of a submodule")
+
+
+def route_calls(module: torch.nn.Module, handler: Any) -> None:
+    """Have ``module(...)`` run ``handler`` (None: its own call again), pickled with nothing of it.
+
+    ``Module.__call__`` runs ``_compiled_call_impl`` when one is set (``Module.compile()`` sets
+    it), and ``Module.__getstate__`` leaves it out of pickles and copies: a submodule keeps its
+    class, and ``torch.save(model)`` writes what one process writes.
+    """
+    _need(torch.nn.Module, "_compiled_call_impl", "to see calls of a submodule")
+    if handler is None:
+        module.__dict__.pop("_compiled_call_impl", None)
+    else:
+        module.__dict__["_compiled_call_impl"] = handler
 
 
 def run_atexit_hooks() -> None:

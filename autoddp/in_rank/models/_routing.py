@@ -17,7 +17,7 @@ its calls routed through a watcher (``watch``; ``_compat.route_calls``, which pi
 that counts, on the root's replica, backward
 passes through calls made outside the DDP's forward (``model.encoder(x)`` beside ``model(x)``),
 so that the optimizer's guard averages those gradients (``_averaging``). Inside the DDP's forward
-(every normal step) the watchers are quiet (``watch``): two dict writes per submodule and forward.
+(every normal step) it costs one method call and two attribute reads per submodule call.
 """
 
 from __future__ import annotations
@@ -54,8 +54,6 @@ class Replica(Protocol):
     reduction: Any
     #: Buffers the forward updates (running statistics), looked for in the first forwards.
     updated_buffers: Any
-    #: The watched submodules' routes ``(module.__dict__, watcher, before)``, quiet inside the forward.
-    routes: list[tuple[dict, Any, Any]]
 
     def for_call(
         self, module: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
@@ -103,8 +101,6 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     _ROUTING.inside = replica.inside = True
     _ROUTING.calls += 1
     replica.forwards += 1
-    # Inside DDP's forward every submodule's call is the model's own: its watcher goes quiet.
-    quieted = _compat.quiet_routes(replica.routes) if replica.routes else None
     try:
         if parts is None:
             result, synced = _forward(replica, ddp, args, kwargs)
@@ -125,8 +121,6 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         raise explained from error
     finally:
         _ROUTING.inside = replica.inside = False
-        if quieted:
-            _compat.restore_routes(quieted)
 
 
 def _forward(replica: Replica, ddp: Any, args: tuple, kwargs: dict) -> tuple[Any, bool]:
@@ -323,10 +317,7 @@ def watch(root: torch.nn.Module, replica: Replica) -> None:
     """Have every submodule of ``root`` that owns parameters count its calls DDP cannot see.
 
     Those that own none need no watcher: calling one (``model.encoder``) calls the ones that do.
-    Their routes are kept on the replica, which quiets them inside DDP's forward (``_call``): there
-    a submodule's call costs nothing more than its own, however many submodules the model has.
     """
-    routes = []
     for sub in root.modules():
         if sub is root or _class_swap.PLAIN_CLASS in type(sub).__dict__:
             continue  # a root of its own
@@ -335,10 +326,6 @@ def watch(root: torch.nn.Module, replica: Replica) -> None:
             watcher.replica = replica
         elif _compat.owns_parameters(sub) and _pickles_without_routing(sub):
             _compat.route_calls(sub, _Watch(sub, replica).__call__)
-            watcher = _watcher(sub)
-        if watcher is not None:
-            routes.append((sub.__dict__, _compat.routed_call(sub), watcher.before))
-    replica.routes = routes
 
 
 def _pickles_without_routing(module: torch.nn.Module) -> bool:

@@ -101,7 +101,6 @@ class Replica:
         #: ``Splitting``, or the reason it cannot be (the whole batch then runs on every rank).
         self.at_call: Any = None
         self.inside = False  # while the DDP's forward runs
-        self.routes: list[tuple[dict, Any, Any]] = []  # the submodules' watchers (``_routing.watch``)
         #: While ``build`` makes the DDP: capture's hook of ``DistributedDataParallel.__init__``
         #: must not take autoddp's own (re)build, inside the user's forward, for a DDP of the user's.
         self.building = False
