@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from autoddp.core import _variables
 from autoddp.core._warn import one_line, say
 from autoddp.core.errors import WorkerError
-from autoddp.in_rank.run_folder import finished, transport
+from autoddp.in_rank.run_folder import finished, stacks
 
 #: How long every rank may take to end once all have finished the user's code.
 EXIT_SECONDS = 30.0
@@ -86,7 +86,7 @@ class Exits:
         if not self.stopped or failed != set(self.stopped):
             return False
         for rank, waited in sorted(self.stopped.items()):
-            stack = transport.read_stack(self.folder, rank) or "(no stack written)"
+            stack = stacks.read_stack(self.folder, rank) or "(no stack written)"
             say(
                 f"rank {rank} finished your code, but its process had not ended {waited:.0f} s after "
                 f"every rank had (something it freed, or the group's teardown, never returned): "

@@ -13,7 +13,7 @@ from typing import Any
 from autoddp.core import _compat, _frames
 from autoddp.core.errors import UnevenBatchesError, WorkerError
 from autoddp.in_rank.hang import record
-from autoddp.in_rank.run_folder import transport
+from autoddp.in_rank.run_folder import stacks, transport
 from autoddp.in_rank.run_folder.finished import finished_ranks
 from autoddp.launch.hang import message
 
@@ -189,7 +189,7 @@ def _explain_timeout(lead: BaseException, folder: str, codes: dict[int, int | No
         "(autoddp --timeout for a script) if the first steps are legitimately slow."
     )
     for rank in stuck:
-        stack = _without_our_threads(transport.read_stack(folder, rank))
+        stack = _without_our_threads(stacks.read_stack(folder, rank))
         if stack:
             lead.add_note(f"autoddp: where rank {rank} was when stopped:\n{stack}")
 
@@ -224,7 +224,7 @@ def _explain_death(lead: BaseException, lead_rank: int, records: str, folder: st
     why = watchdog if getattr(lead, "signal", None) == "SIGABRT" else ""
     lead.add_note(f"autoddp: {waited}: rank {ranks} had not arrived (in no collective).{why}")
     for rank, rec in late.items():
-        stack = _without_our_threads(transport.read_stack(folder, rank))
+        stack = _without_our_threads(stacks.read_stack(folder, rank))
         doing = f"in no collective for {now - rec.since:.1f} s"
         lead.add_note(
             f"autoddp: where rank {rank} was when stopped ({doing}):\n{stack or '(no stack written)'}"

@@ -219,6 +219,23 @@ def test_rank0s_failure_leads_when_rank_0_is_slower_to_end_than_the_ranks_it_fai
         train()
 
 
+def test_a_rank0_failure_rank_0_handled_does_not_lead_a_later_failure_of_another_rank():
+    """Rank 0 catches its block's failure and goes on; rank 1 fails later with its own error, and
+    the launcher stops rank 0. The caller gets rank 1's error: rank 0's early record of the
+    handled failure explains only a Rank0Error for that block."""
+
+    @autoddp.distributed(nproc=2)
+    def train():
+        with contextlib.suppress(CustomError, Rank0Error), rank0():
+            raise CustomError("handled")
+        if autoddp.rank() == 1:
+            raise ValueError("rank 1's own")
+        time.sleep(30)  # rank 0 still working when rank 1 fails: stopped by the launcher
+
+    with pytest.raises(ValueError, match="rank 1's own"):
+        train()
+
+
 @pytest.mark.unit
 def test_a_collective_refused_in_rank0_is_a_cause_and_rank0error_a_consequence(tmp_path):
     from autoddp.in_rank.run_folder import transport

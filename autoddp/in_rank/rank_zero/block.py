@@ -155,7 +155,7 @@ class Rank0Block:
             value = _OK + self._where.encode()
         else:
             value = json.dumps({**_describe(exc), "where": self._where}).encode()
-            _record_early(exc)
+            _record_early(exc, self._where)
         if self._store is not None:
             self._store.set(self._key, value)
         else:
@@ -194,7 +194,7 @@ class Rank0Block:
             )
         elif described is not None:
             error = Rank0Error(
-                f"{self._where} failed on rank 0 with {described['type']}: "
+                f"{transport.rank0_failed(self._where)}{described['type']}: "
                 f"{described['message']} (rank 0 raises that error with its traceback; rank {rank} "
                 "raises this one so that no rank waits for the others forever)",
                 type_name=described["type"],
@@ -372,11 +372,11 @@ def _describe(exc: BaseException) -> dict[str, str]:
     return {"type": name, "message": message}
 
 
-def _record_early(exc: BaseException) -> None:
+def _record_early(exc: BaseException, where: str) -> None:
     """Under an autoddp launcher, rank 0's record of ``exc`` before the other ranks learn of it: one
     that fails in consequence may end first, and the launcher then stops rank 0 before its own
-    record (its full one, written as it exits, replaces this)."""
+    record (``transport.save_early``: read only to explain their ``Rank0Error``)."""
     folder = os.environ.get(_variables.RUN_FOLDER)
     if folder:
         with contextlib.suppress(Exception):
-            transport.save_error(folder, 0, exc)
+            transport.save_early(folder, exc, where)

@@ -348,49 +348,49 @@ def _pickle_exception(exc: BaseException) -> bytes | None:
 
 def save_error(folder: str, rank: int, exc: BaseException) -> None:
     """Record ``exc`` for the caller (called in the worker, before it exits)."""
-    pickled = _pickle_exception(exc)
+    write_private(os.path.join(folder, f"error-{rank}.pkl"), pickle.dumps(_report(rank, exc)))
+
+
+def save_early(folder: str, exc: BaseException, where: str) -> None:
+    """Rank 0's record of its ``rank0()`` body's failure at ``where``, apart (rank 0 may catch it and go
+    on): ``load_errors`` reads it only to explain another rank's ``Rank0Error`` for that block."""
+    write_private(os.path.join(folder, "early-0.pkl"), pickle.dumps((where, _report(0, exc))))
+
+
+def rank0_failed(where: str) -> str:
+    """How a ``Rank0Error`` for the block at ``where`` that failed on rank 0 begins."""
+    return f"{where} failed on rank 0 with "
+
+
+def _report(rank: int, exc: BaseException) -> ErrorReport:
     shown = _frames.without_runners(exc.__traceback__, keep_last=True)  # from the user's frames on
-    report = ErrorReport(
+    return ErrorReport(
         rank=rank,
         time=time.time(),
         type_name=_qualified_name(type(exc)),
         message=str(exc),
         traceback="".join(traceback.format_exception(type(exc), exc, shown)),
-        pickled=pickled,
+        pickled=_pickle_exception(exc),
     )
-    write_private(os.path.join(folder, f"error-{rank}.pkl"), pickle.dumps(report))
-
-
-def user_stack(stack: str) -> str:
-    """A faulthandler dump (most recent call first) cut before the worker's own frames."""
-    kept = []
-    for line in stack.splitlines():
-        if _frames.runner_line(line):
-            break
-        kept.append(line)
-    return "\n".join(kept)
-
-
-def stack_path(folder: str, rank: int) -> str:
-    """Where a worker's stacks are written when autoddp stops it."""
-    return os.path.join(folder, f"stack-{rank}.txt")
-
-
-def read_stack(folder: str, rank: int) -> str:
-    """The stacks a stopped worker wrote, or '' if it wrote none."""
-    try:
-        with open(stack_path(folder, rank)) as handle:
-            return user_stack(handle.read().strip())
-    except OSError:
-        return ""
 
 
 def load_errors(folder: str) -> dict[int, ErrorReport]:
+    """Each rank's record; rank 0's early one (``save_early``) where it explains a ``Rank0Error``."""
     reports = {}
+    early = None
     for name in os.listdir(folder):
         if name.startswith("error-") and name.endswith(".pkl"):
             report = pickle.loads(_read(os.path.join(folder, name)))
             reports[report.rank] = report
+        elif name == "early-0.pkl":
+            early = pickle.loads(_read(os.path.join(folder, name)))
+    if early is not None and 0 not in reports:
+        said = rank0_failed(early[0])
+        if any(
+            r.type_name.rsplit(".", 1)[-1] == "Rank0Error" and r.message.startswith(said)
+            for r in reports.values()
+        ):
+            reports[0] = early[1]
     return reports
 
 

@@ -23,7 +23,7 @@ import torch
 from autoddp.core import _compat, _variables, _warn, environment
 from autoddp.core._compat import forks
 from autoddp.core.errors import AutoDDPError
-from autoddp.in_rank.run_folder import finished, transport
+from autoddp.in_rank.run_folder import finished, stacks, transport
 from autoddp.in_rank.worker import stdin
 from autoddp.in_rank.worker.running import Job, portable, run_in_world
 from autoddp.in_rank.world import placement
@@ -110,7 +110,7 @@ class _StackDump:
     def arm(self, folder: str, rank: int) -> None:
         if self.file is not None or not hasattr(signal, "SIGTERM"):
             return
-        path = transport.stack_path(folder, rank)
+        path = stacks.stack_path(folder, rank)
         self.file = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w")
         faulthandler.register(signal.SIGTERM, file=self.file, all_threads=True, chain=True)
 
