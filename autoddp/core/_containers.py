@@ -27,7 +27,8 @@ def map_items(obj: T, fn: Callable[[Any], Any]) -> T:
         if not changed:
             return obj
         result = copy.copy(obj)
-        result.update(changed)
+        for key, new in changed.items():  # (item by item: HF's ModelOutput refuses update())
+            result[key] = new
         return result
     if isinstance(obj, (list, tuple)):
         items = [fn(item) for item in obj]

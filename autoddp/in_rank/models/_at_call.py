@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autoddp.core import _compat
+from autoddp.core import _compat, _containers
 from autoddp.core.errors import ConfigurationError
 from autoddp.core.state import CURRENT
 from autoddp.in_rank.models._split import BATCHNORMS
@@ -109,16 +109,11 @@ def _leaves_ok(output: Any, rows: int) -> str | None:
 
 
 def _map(output: Any, fn: Any) -> Any:
+    """``output`` with ``fn`` applied to each tensor in it, its containers of their own types
+    (``_containers.map_items``: a dict subclass copied, whatever its constructor takes)."""
     if isinstance(output, torch.Tensor):
         return fn(output)
-    if isinstance(output, tuple):
-        made = [_map(item, fn) for item in output]
-        return type(output)(*made) if hasattr(output, "_fields") else tuple(made)
-    if isinstance(output, list):
-        return [_map(item, fn) for item in output]
-    if isinstance(output, dict):
-        return type(output)((k, _map(v, fn)) for k, v in output.items())
-    return output
+    return _containers.map_items(output, lambda item: _map(item, fn))
 
 
 def _weight(value: torch.Tensor, rows: int) -> torch.Tensor | None:
@@ -251,19 +246,33 @@ def refusal(module: torch.nn.Module, args: tuple, kwargs: dict, parts: Parts) ->
             try:
                 outputs.append(module(*local_args, **local_kwargs))
             except Exception as error:  # (a graph's adjacency cut with its nodes, say)
-                first = (str(error).splitlines() or [""])[0][:200]
-                return f"its forward fails on part of a batch ({type(error).__name__}: {first})"
+                return f"its forward fails on part of a batch ({_named(error)})"
             why = _leaves_ok(outputs[-1], parts.sizes[rank])
             if why is not None:
                 return why
-        combined = combine_locally(outputs, parts, whole_output)
-    for mine, theirs in zip(_flatten(combined), _flatten(whole_output), strict=True):
+        try:  # (an output type rebuilt otherwise than its constructor takes: ``_map``)
+            pairs = list(
+                zip(
+                    _flatten(combine_locally(outputs, parts, whole_output)),
+                    _flatten(whole_output),
+                    strict=True,
+                )
+            )
+        except Exception as error:
+            kind = type(whole_output).__name__
+            return f"its output of type {kind} cannot be rebuilt from parts ({_named(error)})"
+    for mine, theirs in pairs:
         if mine.shape != theirs.shape or not torch.allclose(mine, theirs, rtol=1e-4, atol=1e-5):
             return (
                 "its outputs for parts of a batch differ from the whole batch's (the samples of a batch mix, "
                 "or the arguments' first dimension is not the batch: [seq, batch] inputs)"
             )
     return None
+
+
+def _named(error: BaseException) -> str:
+    """``"TypeError: its first line"`` (at most 200 characters of it)."""
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
 
 
 def parts(replica: Any, module: torch.nn.Module, args: tuple, kwargs: dict) -> Parts | None:
