@@ -105,15 +105,18 @@ def test_the_tracked_peak_of_an_mlp_whose_peak_is_in_the_backward_by_hand():
     assert found.notes == ()
 
 
+class Reads(nn.Module):
+    """A forward that reads a value back (``.item()``): fake tensors cannot run it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(10, 10), nn.Linear(10, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x)) * float(x.sum().item() > 0)
+
+
 def test_a_step_that_cannot_run_on_fake_tensors_takes_the_rule_and_says_so():
-    class Reads(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = nn.Linear(10, 10), nn.Linear(10, 10)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.b(self.a(x)) * float(x.sum().item() > 0)
-
     found = estimate(Reads(), (torch.randn(4, 10),), optimizer=torch.optim.Adam, device_type="cuda")
     assert "could not be tracked on fake tensors" in found.notes[0] and "per layer" in found.notes[1]
     state = 4 * 220 * 4  # parameters, gradients, Adam's two copies
@@ -271,14 +274,6 @@ def test_measuring_leaves_the_model_and_the_random_streams_as_they_were():
 
 
 def test_a_forward_that_reads_values_back_takes_the_documented_rule_and_says_so():
-    class Reads(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = nn.Linear(10, 10), nn.Linear(10, 10)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.b(self.a(x)) * float(x.sum().item() > 0)
-
     found = activations.measure(Reads(), (torch.randn(4, 10),))
     assert found.saved == activations.FALLBACK_PER_LAYER * 2 * 4 * 10 * 4
     assert "could not run without memory" in found.note and "per layer" in found.note

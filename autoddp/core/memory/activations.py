@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from autoddp.core import _containers
 from autoddp.core._compat import fake
 
 #: The fallback: each module holding parameters keeps this many copies of the batch's bytes.
@@ -58,7 +59,7 @@ def measure(module: torch.nn.Module, args: tuple = (), kwargs: dict[str, Any] | 
         return Activations(found.saved, found.largest, note)
     except Exception as error:  # no meta kernel, a value read back, a module that cannot be copied
         layers = sum(1 for m in module.modules() if any(True for _ in m.parameters(recurse=False)))
-        bytes_in = sum(t.numel() * t.element_size() for t in _tensors(batch))
+        bytes_in = sum(t.numel() * t.element_size() for t in tensors_in(batch))
         return Activations(
             FALLBACK_PER_LAYER * max(layers, 1) * bytes_in,
             bytes_in,
@@ -95,8 +96,9 @@ def _saved_by_forward(
 ) -> Activations:
     """Run the forward of a copy made by ``make`` under ``mode``, summing what autograd saves."""
     copied = copy_with(module, make)
-    args, kwargs = _mapped(batch, make)
-    own = [t.untyped_storage() for t in (*copied.parameters(), *copied.buffers(), *_tensors((args, kwargs)))]
+    args, kwargs = mapped(batch, make)
+    held = (*copied.parameters(), *copied.buffers(), *tensors_in((args, kwargs)))
+    own = [t.untyped_storage() for t in held]
     left_out = {id(storage) for storage in own}
     counted: dict[int, int] = {}
     keep: list[Any] = []  # the storages counted stay alive, so that no id is reused during the forward
@@ -111,7 +113,7 @@ def _saved_by_forward(
     with torch.random.fork_rng(devices=_gpus(module)), torch.enable_grad(), mode:
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             output = copied(*args, **kwargs)
-        for tensor in _tensors(output):
+        for tensor in tensors_in(output):
             pack(tensor)
     return Activations(sum(counted.values()), max(counted.values(), default=0))
 
@@ -125,25 +127,14 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _mapped(value: Any, make: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``value`` with every tensor in it (in tuples, lists and dicts) replaced by ``make(tensor)``."""
+def mapped(value: Any, make: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with every tensor in it replaced by ``make(tensor)`` (its containers walked by
+    ``_containers.map_items``, each of its own type)."""
     if torch.is_tensor(value):
         return make(value.detach()).requires_grad_(value.requires_grad)
-    if isinstance(value, (tuple, list)):
-        items = [_mapped(item, make) for item in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, dict):
-        return {key: _mapped(item, make) for key, item in value.items()}
-    return value
+    return _containers.map_items(value, lambda item: mapped(item, make))
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in ``value`` (in tuples, lists and dicts)."""
-    if torch.is_tensor(value):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor in ``value``, however deep in its containers (``_containers.leaves``)."""
+    return [item for item in _containers.leaves(value) if torch.is_tensor(item)]

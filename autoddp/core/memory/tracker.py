@@ -122,7 +122,7 @@ class LiveBytes:
 def surrogate_loss(output: Any) -> torch.Tensor:
     """The usual loss standing in for the user's (module docstring): a scalar tensor."""
     losses = []
-    for tensor in activations_._tensors(output):
+    for tensor in activations_.tensors_in(output):
         if not (tensor.is_floating_point() and tensor.requires_grad):
             continue
         if tensor.dim() == 0:
@@ -149,9 +149,9 @@ def track(
     raised (an operation without a fake kernel, a value read back with ``.item()``)."""
     mode = fake.fake_tensor_mode()
     copied = activations_.copy_with(module, mode.from_tensor)
-    args, kwargs = activations_._mapped(batch, mode.from_tensor)
+    args, kwargs = activations_.mapped(batch, mode.from_tensor)
     counter = LiveBytes()
-    counter.ignore(list(activations_._tensors((args, kwargs))))
+    counter.ignore(list(activations_.tensors_in((args, kwargs))))
     trainable = [p for p in copied.parameters() if p.requires_grad]
     with mode:
         for p in trainable if grads_held else ():
