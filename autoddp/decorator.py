@@ -75,6 +75,12 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     it, a shuffled loader when it is first iterated, ``torch.save`` to a path written once by
     rank 0. ``capture=False`` leaves them alone.
 
+    ``strategy="auto"`` (the default) replicates a model with DDP where its state (parameters,
+    gradients, the optimizer's state) fits the memory one process may use (``device_memory``:
+    bytes or ``"24GiB"``; default: the GPU's free memory less 10% of its size, on CPU the
+    machine's available memory over its processes), else shards it with FSDP2 (with the shards
+    on the CPU where even that does not fit a GPU); every rank takes the same plan, and the
+    notice says which and why. ``"ddp"`` and ``"fsdp"`` force one.
     ``strategy="fsdp"`` shards models with FSDP2 instead of replicating them with DDP (each
     rank holds a share of the parameters, gradients and optimizer state); ``fsdp_blocks``
     names the module classes that get their own shard unit (autoddp chooses otherwise),

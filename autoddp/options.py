@@ -20,6 +20,7 @@ from typing import Any
 from autoddp.core import backends
 from autoddp.core.environment import hardware
 from autoddp.core.errors import ConfigurationError
+from autoddp.core.memory.sizes import parse_bytes
 from autoddp.core.state import RunOptions
 from autoddp.in_rank import models
 from autoddp.in_rank.hang import record as hang_record
@@ -131,7 +132,19 @@ class Options:
         "--capture/--no-capture",
     )
     strategy: str = option(
-        "ddp", "How models are distributed: ddp (replicated) or fsdp (FSDP2, sharded).", "--strategy"
+        "auto",
+        "How models are distributed: auto (DDP where a model's state fits --device-memory, else FSDP2), "
+        "ddp (replicated) or fsdp (FSDP2, sharded).",
+        "--strategy",
+        metavar="auto|ddp|fsdp",
+    )
+    device_memory: int | str | None = option(
+        None,
+        "strategy auto: the memory one process may use, as 24GiB or 1200MiB.  [default: the GPU's free "
+        "memory less 10% of its size; on CPU the machine's available memory over its processes]",
+        "--device-memory",
+        metavar="SIZE",
+        type=str,
     )
     fsdp_blocks: tuple[type | str, ...] = option(
         (),
@@ -194,11 +207,14 @@ class Options:
         models.check_options(
             self.strategy, self.ddp, self.fsdp_blocks, self.mixed_precision, self.cpu_offload
         )
+        if self.device_memory is not None:
+            object.__setattr__(self, "device_memory", parse_bytes(self.device_memory, name="device_memory"))
         object.__setattr__(self, "hang_report", hang_record.checked_seconds(self.hang_report))
-        if self.split_batches is True and self.strategy != "ddp":
+        fsdp_asked = self.strategy == "fsdp" or self.fsdp_blocks or self.mixed_precision or self.cpu_offload
+        if self.split_batches is True and fsdp_asked:
             raise ConfigurationError(
-                f"split_batches=True works with strategy='ddp' only (not {self.strategy!r}) so far: "
-                "use strategy='ddp', or leave split_batches off"
+                "split_batches=True works with DDP only so far, and strategy='fsdp' or FSDP's options "
+                "(fsdp_blocks=, mixed_precision=, cpu_offload=) ask for FSDP: leave one of them out"
             )
         for name in ("sync_batchnorm", "capture", "cpu_offload", "split_batches", "step_report"):
             if not isinstance(getattr(self, name), bool):

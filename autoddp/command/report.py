@@ -19,6 +19,8 @@ import torch
 
 from autoddp.core import _compat, backends, environment
 from autoddp.core.environment import hardware, network
+from autoddp.core.memory import budget
+from autoddp.core.memory.sizes import format_bytes
 from autoddp.core.state import World
 
 _WIDTH = 100
@@ -163,6 +165,7 @@ def _command_section(environ: Mapping[str, str], gpus: int, nproc: int | None) -
         ("  backend", f"{group}, in the group capture makes for a plain script (one per process)"),
         ("  start method", f"{method} ({reason})"),
         ("  network", "one machine: the store on 127.0.0.1 (--master-addr/--master-port to choose)"),
+        ("  strategy", _strategy(gpus, count)),
     ]
     return _rows(rows, indent=0)
 
@@ -187,6 +190,20 @@ def _network(environ: Mapping[str, str], world: World | None, master: str | None
         if address.startswith("127."):
             text += f"; this host name ({name}) resolves to {address}, which gloo alone would use"
     return text
+
+
+def _strategy(gpus: int, count: int) -> str:
+    """What strategy="auto" weighs a model's state against here (``core.memory.budget``)."""
+    if gpus:
+        share = f"{budget.GPU_MARGIN:.0%}"
+        limit = f"the GPU's free memory less {share} of its size, read by each process when it first decides"
+    else:
+        available = budget.available_memory()
+        known = (
+            f"{format_bytes(budget.cpu_default(available, count))} per process" if available else "unknown"
+        )
+        limit = f"{known} (the available memory over {count} process{'es' if count > 1 else ''})"
+    return f"auto: DDP where a model's state fits {limit}, else FSDP2 (--device-memory, --strategy to set)"
 
 
 def _processes(launched: bool, world_size: int, gpus: int) -> str:

@@ -36,7 +36,8 @@ class World:
 class RunOptions:
     """How models are treated in the current run (set by ``@distributed``'s options)."""
 
-    strategy: str = "ddp"
+    #: "auto" (DDP where the model's state fits ``device_memory``, else FSDP2), "ddp" or "fsdp".
+    strategy: str = "auto"
     ddp_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     sync_batchnorm: bool = False
     #: Find models, loaders and saves in the user's code by themselves (``autoddp.in_rank.capture``).
@@ -49,6 +50,23 @@ class RunOptions:
     cpu_offload: bool = False
     #: The script's batch is the global batch: each rank takes its part (``autoddp.in_rank.data.split``).
     split_batches: bool = False
+    #: strategy="auto": the bytes one process may use for its models' state and steps (None: the
+    #: device's free memory less a margin, or the machine's available memory over its processes).
+    device_memory: int | None = None
+
+
+@dataclasses.dataclass
+class Planned:
+    """What strategy="auto" decided in the current world (``models._plan``)."""
+
+    #: The bytes each process may use, agreed by every rank at the first decision (the least of theirs).
+    budget: int
+    #: The bytes the plans taken so far hold per process (the next model fits in what is left).
+    placed: int = 0
+    #: Whether a plan taken shards a model (checkpoints then load memory-mapped).
+    sharded: bool = False
+    #: Why each model got its plan, for the notice (weakly: a model may go).
+    notes: weakref.WeakKeyDictionary[Any, str] = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
 
 
 class Run:
@@ -96,6 +114,8 @@ class Run:
         #: run under capture (or such a function is bound by name where capture cannot count it):
         #: from then on every forward's outputs are hooked (``models._reduction``).
         self.retained = False
+        #: What strategy="auto" decided in the current world (None: nothing yet).
+        self.planned: Planned | None = None
         #: Models wrapped in each joined world, innermost last (weakly: a model may go).
         self._wrapped: list[weakref.WeakKeyDictionary[Any, Callable[[Any], None]]] = []
 
@@ -138,19 +158,20 @@ class _InWorld:
     ) -> None:
         self._run = run
         self._entered = (world, options, timeout)
-        self._previous: tuple[World | None, RunOptions, datetime.timedelta | None] | None = None
+        self._previous: tuple[Any, ...] | None = None  # (world, options, timeout, planned)
 
     def __enter__(self) -> World:
         run = self._run
-        self._previous = run.world, run.options, run.timeout
+        self._previous = run.world, run.options, run.timeout, run.planned
         run.world, run.options, run.timeout = self._entered
+        run.planned = None
         run._wrapped.append(weakref.WeakKeyDictionary())
         return self._entered[0]
 
     def __exit__(self, *exc_info: object) -> None:
         run = self._run
         assert self._previous is not None
-        run.world, run.options, run.timeout = self._previous
+        run.world, run.options, run.timeout, run.planned = self._previous
         run._wrapped.pop()
 
 

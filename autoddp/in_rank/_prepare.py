@@ -42,7 +42,7 @@ def prepare(obj: Any, *, split_batches: bool | None = None) -> Any:
     if not isinstance(split_batches, bool):
         raise ConfigurationError(f"split_batches={split_batches!r} must be True or False")
     previous = CURRENT.options
-    if split_batches and previous.strategy != "ddp":
+    if split_batches and previous.strategy == "fsdp":
         raise ConfigurationError(
             f"split_batches=True works with strategy='ddp' only (not {previous.strategy!r}) so far: "
             "use strategy='ddp', or leave split_batches off"

@@ -220,8 +220,8 @@ def test_fsdp_options_are_checked():
         autoddp.distributed(strategy="zero3")
     with pytest.raises(ConfigurationError, match="mixed_precision='fp8'"):
         autoddp.distributed(strategy="fsdp", mixed_precision="fp8")
-    with pytest.raises(ConfigurationError, match="add strategy='fsdp'"):
-        autoddp.distributed(mixed_precision="bf16")
+    with pytest.raises(ConfigurationError, match="use strategy='fsdp'"):
+        autoddp.distributed(strategy="ddp", mixed_precision="bf16")
     with pytest.raises(ConfigurationError, match="fsdp_blocks"):
         autoddp.distributed(strategy="fsdp", fsdp_blocks="Block")
 

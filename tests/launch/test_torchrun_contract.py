@@ -211,8 +211,14 @@ def test_env_describes_what_the_command_would_do_here(monkeypatch):
     assert done.exit_code == 0, done.output
     command = done.output[done.output.index("\ncommand ") :]
     assert "autoddp script.py here: 2 processes (asked for)" in command
-    for row in ("threads ", "backend ", "start method ", "network "):
+    for row in ("threads ", "backend ", "start method ", "network ", "strategy "):
         assert f"\n  {row}" in command
+    said = " ".join(command.split())  # (the available memory moves: its figure is not compared)
+    assert re.search(
+        r"auto: DDP where a model's state fits [0-9.]+ \w+ per process "
+        r"\(the available memory over 2 processes\)",
+        said,
+    )
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert "3 per process (OMP_NUM_THREADS, yours)" in CliRunner().invoke(main, ["-n", "2", "env"]).output
 

@@ -47,7 +47,10 @@ def test_the_command_checks_its_values_with_the_decorators_rules(tmp_path):
     script.write_text("")
     runner = CliRunner()
     for args, says in [
-        (["--cpu-offload", str(script)], "--cpu-offload are FSDP's options: add --strategy 'fsdp'"),
+        (
+            ["--cpu-offload", "--strategy", "ddp", str(script)],
+            "--cpu-offload are FSDP's options: use --strategy 'fsdp'",
+        ),
         (["--strategy", "zero", str(script)], "--strategy 'zero'"),
         (["--mixed-precision", "fp8", "--strategy", "fsdp", str(script)], "--mixed-precision 'fp8'"),
     ]:

@@ -150,6 +150,56 @@ def estimate(
     )
 
 
+def state_only(
+    module: torch.nn.Module,
+    *,
+    optimizer: torch.optim.Optimizer | type | tuple[type, Sequence[optimizers.Group]] | None = None,
+    optimizer_kwargs: Mapping[str, Any] | None = None,
+    plan: str = "ddp",
+    processes: int = 1,
+    units: Sequence[torch.nn.Module] | None = None,
+    bucket_view: bool = True,
+    offload: bool = False,
+) -> Estimate:
+    """The bytes one process holds of ``module``'s state under ``plan`` before any batch is seen
+    (no activations, no step's temporaries): what a plan must fit before a step can. ``offload``
+    (``fsdp`` only): parameter, gradient and optimizer shards live on the CPU, so the device holds
+    only the gathered blocks."""
+    if plan not in PLANS:
+        raise ValueError(f"plan={plan!r}: one of {', '.join(PLANS)}")
+    params = list(module.parameters())
+    if isinstance(optimizer, tuple):  # (class, groups) of an optimizer being made: this module's share
+        ours = {id(p) for p in params}
+        cls, groups = (
+            optimizer[0],
+            [optimizers.Group(tuple(p for p in g.params if id(p) in ours), g.settings) for g in optimizer[1]],
+        )
+    else:
+        cls, groups = optimizers.groups_of(optimizer, params, optimizer_kwargs)
+    state, note = optimizers.state_bytes(cls, [g for g in groups if g.params])
+    trainable = [p for p in params if p.requires_grad]
+    common = {"processes": processes, "activations": 0, "notes": (note,) if note else ()}
+    if plan == "ddp":
+        grads = _nbytes(trainable) * (1 if bucket_view else 2)
+        total = _nbytes(params) + grads + state
+        return Estimate(
+            "ddp", params=_nbytes(params), grads=grads, optimizer=state, gathered=0, peak=total, **common
+        )
+    rest, block = _gathered(module, units)
+    parts = (_sharded(params, processes), _sharded(trainable, processes), math.ceil(state / processes))
+    parts = (0, 0, 0) if offload else parts
+    gathered = rest + 2 * block
+    return Estimate(
+        "fsdp",
+        params=parts[0],
+        grads=parts[1],
+        optimizer=parts[2],
+        gathered=gathered,
+        peak=sum(parts) + gathered,
+        **common,
+    )
+
+
 def track(
     module: torch.nn.Module,
     args: tuple = (),

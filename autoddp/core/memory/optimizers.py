@@ -9,6 +9,7 @@ rule ``FALLBACK_COPIES`` is taken and the estimate says so.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -75,6 +76,33 @@ def groups_of(
     if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
         raise TypeError(f"optimizer={optimizer!r}: give a torch.optim.Optimizer, its class, or None")
     return optimizer, [Group(tuple(_unique(params)), dict(kwargs or {}))]
+
+
+def groups_made(
+    cls: type, params: Any, args: tuple = (), kwargs: Mapping[str, Any] | None = None
+) -> list[Group]:
+    """The groups ``cls(params, *args, **kwargs)`` will hold, before it is made: each group's own
+    settings over the defaults the call gives (its arguments bound to ``cls``'s signature).
+    ``params``: tensors, or dicts of groups (``{"params": [...], "lr": ...}``)."""
+    try:
+        bound = inspect.signature(cls).bind(params, *args, **dict(kwargs or {}))
+        bound.apply_defaults()
+        defaults: dict[str, Any] = {}
+        for name, value in list(bound.arguments.items())[1:]:  # (the first is params)
+            kind = bound.signature.parameters[name].kind
+            defaults.update(value if kind is inspect.Parameter.VAR_KEYWORD else {name: value})
+    except (TypeError, ValueError):  # a signature inspect cannot read, or arguments it does not take
+        defaults = dict(kwargs or {})
+    items = [params] if isinstance(params, torch.Tensor) else list(params)
+    groups = [dict(item) for item in items if isinstance(item, dict)]
+    loose = [item[1] if isinstance(item, tuple) else item for item in items if not isinstance(item, dict)]
+    found = [Group(tuple(_unique(loose)), defaults)] if loose else []
+    for group in groups:
+        own = group.pop("params")
+        own = [own] if isinstance(own, torch.Tensor) else own
+        tensors = [p[1] if isinstance(p, tuple) else p for p in own]
+        found.append(Group(tuple(_unique(tensors)), {**defaults, **group}))
+    return found
 
 
 def _unique(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from autoddp.core import _patches, _warn
+from autoddp.core.memory.optimizers import groups_made
 from autoddp.core.state import CURRENT
 from autoddp.in_rank import models
 from autoddp.in_rank.capture._notice import where
@@ -52,7 +53,7 @@ class Optimizers:
                 original(optimizer, params, *args, **kwargs)
                 return
             self.made += 1
-            params = self._distribute_models(params)
+            params = self._distribute_models(params, (type(optimizer), args, kwargs))
             self._constructing.add(id(optimizer))  # its own add_param_group calls: done above
             try:
                 original(optimizer, params, *args, **kwargs)
@@ -69,7 +70,8 @@ class Optimizers:
             if busy or id(optimizer) in self._constructing or not isinstance(param_group, dict):
                 original(optimizer, param_group)
                 return
-            original(optimizer, self._distribute_models([param_group])[0])  # a head added later
+            made = (type(optimizer), (), optimizer.defaults)
+            original(optimizer, self._distribute_models([param_group], made)[0])  # a head added later
             models.bind_optimizer(optimizer)
             models.guard_optimizer(optimizer)
 
@@ -87,12 +89,15 @@ class Optimizers:
         assert session.notice is not None
         session.notice.say(
             ("model", id(root)),
-            f"{type(models.unwrap(root)).__name__} ({made}): {session.options.strategy.upper()} across "
-            f"{session.world().world_size} processes, found through {found_through}{models.split_note(root)}",
+            f"{models.class_name(root)} ({made}): {models.strategy_name(root).upper()} across "
+            f"{session.world().world_size} processes, found through {found_through}"
+            f"{models.split_note(root)}{models.plan_note(root)}",
             subject=root,
         )
 
-    def _distribute_models(self, params: Any) -> Any:
+    def _distribute_models(self, params: Any, made: tuple[type, tuple, dict] | None = None) -> Any:
+        """``params`` over the models they belong to, distributed; ``made``: the optimizer's class and
+        its other arguments (its state is weighed by strategy="auto")."""
         session = self.session
         items = materialize(params)
         found, orphans = roots(tensors_of(items), session.registry)
@@ -113,7 +118,10 @@ class Optimizers:
         site = user_site(sys._getframe(1))
         with session.own_work():
             world = session.world()
-            mapping = replaced_parameters(todo, lambda m: models.wrap(m, world, session.options, move=False))
+            training = (made[0], groups_made(made[0], items, made[1], made[2])) if made else None
+            mapping = replaced_parameters(
+                todo, lambda m: models.wrap(m, world, session.options, move=False, training=training)
+            )
         for root in todo:
             self._say_wrapped(root, where(session.registry.site(root)), f"the optimizer at {where(site)}")
         return rebind(items, mapping)

@@ -99,11 +99,12 @@ def load(path: str | os.PathLike[str], default: Any = _MISSING, *, weights_only:
 
 
 def _sharding_run() -> bool:
-    """True in a world of several processes that shards its models (strategy='fsdp')."""
+    """True in a world of several processes that shards its models (strategy='fsdp', or 'auto'
+    that chose it)."""
     from autoddp.core.state import CURRENT
 
     world = CURRENT.world
-    return world is not None and world.world_size > 1 and CURRENT.options.strategy == "fsdp"
+    return world is not None and world.world_size > 1 and models.sharding()
 
 
 def _load_mapped(path: str, weights_only: bool) -> Any:

@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from autoddp.core import _compat
+from autoddp.core import _class_swap, _compat
 from autoddp.core.environment import hardware
 from autoddp.core.errors import ConfigurationError
-from autoddp.core.state import RunOptions, World
-from autoddp.in_rank.models import _rebind, ddp, fsdp
+from autoddp.core.memory.optimizers import groups_of
+from autoddp.core.state import CURRENT, RunOptions, World
+from autoddp.in_rank.models import _plan, _rebind, ddp, fsdp
 from autoddp.in_rank.models._at_call import DRAWN_APART
 from autoddp.in_rank.models._averaging import average_before_read, guard_optimizer
 from autoddp.in_rank.models._fsdp_state import (
@@ -45,6 +46,10 @@ __all__ = [
     "state_dict",
     "portable",
     "release",
+    "strategy_name",
+    "plan_note",
+    "class_name",
+    "sharding",
     "ddp_in_charge",
     "ddp_being_built",
     # the optimizers' side: ``_averaging``, ``_fsdp_state``
@@ -75,7 +80,7 @@ def _named(name: str) -> ModuleType:
         return STRATEGIES[name]
     except KeyError:
         raise ConfigurationError(
-            f"unknown strategy={name!r}: use one of {', '.join(map(repr, STRATEGIES))}"
+            f"unknown strategy={name!r}: use one of {', '.join(map(repr, (_plan.AUTO, *STRATEGIES)))}"
         ) from None
 
 
@@ -89,10 +94,12 @@ def check_options(
 ) -> None:
     """A run's strategy options, checked before anything runs: ConfigurationError naming the fix."""
     ddp.check_keywords(ddp_kwargs)
-    _named(strategy)
-    if strategy != fsdp.NAME and (fsdp_blocks or mixed_precision is not None or cpu_offload):
+    if strategy != _plan.AUTO:
+        _named(strategy)
+    if strategy == ddp.NAME and (fsdp_blocks or mixed_precision is not None or cpu_offload):
         raise ConfigurationError(
-            "fsdp_blocks=, mixed_precision= and cpu_offload= are FSDP's options: add strategy='fsdp'"
+            "fsdp_blocks=, mixed_precision= and cpu_offload= are FSDP's options: use strategy='fsdp' "
+            "(or 'auto', where they choose FSDP), or leave them out"
         )
     fsdp.precision(mixed_precision)
     if isinstance(fsdp_blocks, (str, type)) or not all(isinstance(b, (str, type)) for b in fsdp_blocks):
@@ -116,13 +123,20 @@ def wrap(
     *,
     move: bool = True,
     optimizers: Iterable[torch.optim.Optimizer] = (),
+    training: _plan.Training | None = None,
 ) -> torch.nn.Module:
-    """``module`` ready for ``world`` with the run's strategy (a model already wrapped is kept).
+    """``module`` ready for ``world`` with the run's strategy (a model already wrapped is kept);
+    ``strategy="auto"`` weighs the model's state with the optimizer that trains it (``training``:
+    the class and groups of one being made; else the first of ``optimizers``) (``_plan``).
 
     Where the strategy replaced parameters (sharding), optimizers made before over the old ones
     are bound to the new ones (``_rebind``; ``optimizers``: ones the caller knows of)."""
     if isinstance(module, torch.nn.parallel.DistributedDataParallel):
         return module
+    optimizers = list(optimizers)
+    if training is None and optimizers:
+        training = groups_of(optimizers[0], [])
+    options = _plan.resolve(module, world, options, training)
     before = list(module.named_parameters())
     wrapped = _named(options.strategy).wrap(module, world, options, move=move)
     _rebind.rebind_optimizers(_rebind.remember(wrapped, before), optimizers)
@@ -182,6 +196,33 @@ def release(model: torch.nn.Module) -> None:
     strategy = _strategy_of(model)
     if strategy is not None:
         strategy.release(model)
+
+
+def strategy_name(model: torch.nn.Module) -> str:
+    """The strategy that distributes ``model`` ("ddp", "fsdp"; "" for a model nobody wrapped)."""
+    strategy = _strategy_of(unwrap(model))
+    return strategy.NAME if strategy is not None else ""
+
+
+def class_name(model: torch.nn.Module) -> str:
+    """The name of the user's class of ``model``, behind the classes autoddp and FSDP2 swap in
+    (``FSDPNet`` is ``Net``)."""
+    for cls in type(unwrap(model)).__mro__:
+        swapped = _class_swap.PLAIN_CLASS in cls.__dict__ or cls.__module__.startswith("torch.distributed")
+        if not swapped:
+            return cls.__name__
+    return type(model).__name__
+
+
+def plan_note(model: torch.nn.Module) -> str:
+    """Why ``strategy="auto"`` gave ``model`` its strategy, for the notice ("" where it did not)."""
+    return _plan.note(unwrap(model))
+
+
+def sharding() -> bool:
+    """True where this world's models are sharded (strategy "fsdp", or "auto" that chose it)."""
+    planned = CURRENT.planned
+    return CURRENT.options.strategy == fsdp.NAME or (planned is not None and planned.sharded)
 
 
 def ddp_in_charge(model: torch.nn.Module) -> bool:

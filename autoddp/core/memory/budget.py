@@ -1,0 +1,88 @@
+"""The memory one process may use for a model's state and its steps (``device_memory``), and the
+plan (``ddp``, ``fsdp``, ``fsdp`` with CPU offload) whose bytes fit it.
+
+The default budget, when the user gives none:
+
+- **On a GPU:** what the process could hold on its device when autoddp first decides, that is
+  what ``torch.cuda.mem_get_info`` reports free plus what torch's allocator in this process
+  already reserved, less a margin of ``GPU_MARGIN`` of the device's total memory. The margin holds
+  what no estimate sees: the allocator's fragmentation, cuBLAS/cuDNN workspaces, NCCL's buffers.
+- **On the CPU:** the machine's available memory (``MemAvailable``), read when the worker starts,
+  divided by the processes on the machine.
+
+The plans, cheapest first (``LADDER``): the first whose bytes fit is taken. Nothing here runs a
+model: the bytes are the caller's (``estimate``); nothing here knows the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from autoddp.core.memory.sizes import format_bytes
+
+#: The share of a GPU's total memory left out of the default budget (module docstring).
+GPU_MARGIN = 0.10
+#: The plans, cheapest first: (name, strategy, CPU offload).
+LADDER: tuple[tuple[str, str, bool], ...] = (
+    ("ddp", "ddp", False),
+    ("fsdp", "fsdp", False),
+    ("fsdp with CPU offload", "fsdp", True),
+)
+
+
+def gpu_default(free: int, reserved: int, total: int) -> int:
+    """The default budget of a GPU process: free plus this process's reserved, less the margin."""
+    return max(int(free + reserved - GPU_MARGIN * total), 0)
+
+
+def cpu_default(available: int, processes: int) -> int:
+    """The default budget of a CPU process: the machine's available memory over its processes."""
+    return available // max(processes, 1)
+
+
+def available_memory(meminfo: str = "/proc/meminfo") -> int | None:
+    """The machine's available memory in bytes (Linux's ``MemAvailable``); None where unknown."""
+    try:
+        with open(meminfo) as lines:
+            for line in lines:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The plan taken for a model: its strategy and offload, and the numbers that decided it."""
+
+    name: str
+    strategy: str
+    cpu_offload: bool
+    #: Each plan's bytes per process that were weighed, cheapest first (name -> bytes).
+    needs: Mapping[str, int]
+    budget: int
+    #: Whether the plan fits the budget (False: the last plan was taken, and it does not fit).
+    fits: bool
+
+    def describe(self) -> str:
+        """One clause for the notice: why this plan (``"state 1.6 GiB per process under DDP; ..."``)."""
+        weighed = "; ".join(f"{format_bytes(need)} under {name}" for name, need in self.needs.items())
+        verdict = f"{self.name} fits" if self.fits else f"none fits, {self.name} (the smallest) taken"
+        return f"state {weighed}; this process may use {format_bytes(self.budget)}: {verdict}"
+
+
+def choose(needs: Mapping[str, int], budget: int, allowed: Sequence[str] | None = None) -> Choice:
+    """The cheapest plan of ``LADDER`` (only the ``allowed`` names, if given) whose need fits
+    ``budget``; the last one weighed where none fits (``fits`` False). ``needs``: bytes per plan
+    name, for the plans the caller could weigh (a plan not in it is skipped)."""
+    ladder = [plan for plan in LADDER if plan[0] in needs and (allowed is None or plan[0] in allowed)]
+    if not ladder:
+        raise ValueError(f"no plan to weigh: needs={dict(needs)!r}, allowed={allowed!r}")
+    weighed = {name: needs[name] for name, _, _ in ladder}
+    for name, strategy, offload in ladder:
+        if needs[name] <= budget:
+            return Choice(name, strategy, offload, weighed, budget, True)
+    name, strategy, offload = ladder[-1]
+    return Choice(name, strategy, offload, weighed, budget, False)

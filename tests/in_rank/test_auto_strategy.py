@@ -1,0 +1,152 @@
+"""strategy="auto" (the default): DDP where a model's state fits the memory a process may use
+(``device_memory``), else FSDP2; every rank takes the same plan; the notice says why.
+
+Real 2-process gloo runs on CPU, and the rules and the bytes weighed checked by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import autoddp
+from autoddp import ConfigurationError
+from autoddp.core.memory import budget, estimate, optimizers
+from autoddp.core.memory.sizes import format_bytes
+from autoddp.options import Options
+from conftest import needs_fsdp, run_python, write
+
+MiB = 2**20
+
+
+@pytest.mark.unit
+def test_the_cheapest_plan_that_fits_is_taken_and_none_fitting_takes_the_smallest():
+    needs = {"ddp": 40, "fsdp": 25, "fsdp with CPU offload": 5}
+    assert budget.choose(needs, 100).name == "ddp"  # a model that fits under DDP always gets DDP
+    assert budget.choose(needs, 40).name == "ddp"
+    chosen = budget.choose(needs, 30)
+    assert (chosen.strategy, chosen.cpu_offload, chosen.fits) == ("fsdp", False, True)
+    chosen = budget.choose(needs, 10)
+    assert (chosen.strategy, chosen.cpu_offload, chosen.fits) == ("fsdp", True, True)
+    chosen = budget.choose({"ddp": 40, "fsdp": 25}, 10)  # on CPU: no offload to weigh
+    assert (chosen.name, chosen.fits) == ("fsdp", False)
+    assert "none fits, fsdp (the smallest) taken" in chosen.describe()
+
+
+@pytest.mark.unit
+def test_the_default_budgets():
+    assert budget.cpu_default(16 * 2**30, 4) == 4 * 2**30
+    # a GPU: free plus what this process's allocator reserved, less 10% of the device
+    assert budget.gpu_default(free=60 * 2**30, reserved=10 * 2**30, total=80 * 2**30) == 62 * 2**30
+    assert budget.gpu_default(free=1, reserved=0, total=80 * 2**30) == 0
+
+
+@pytest.mark.unit
+def test_device_memory_takes_sizes_and_refuses_anything_else_naming_the_forms():
+    assert Options(device_memory="1200MiB").device_memory == 1200 * MiB
+    assert Options(device_memory=5 * MiB).device_memory == 5 * MiB
+    assert Options().strategy == "auto" and Options().device_memory is None
+    for bad in ("lots", "-3GiB", "12 parsecs", True):
+        with pytest.raises(ConfigurationError, match="device_memory=.*'24GiB'"):
+            autoddp.distributed(device_memory=bad)
+    with pytest.raises(ConfigurationError, match="use strategy='fsdp'"):
+        autoddp.distributed(strategy="ddp", cpu_offload=True)
+    with pytest.raises(ConfigurationError, match="split_batches=True works with DDP only"):
+        autoddp.distributed(split_batches=True, mixed_precision="bf16")
+
+
+@pytest.mark.unit
+def test_the_state_weighed_for_each_plan():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 4))
+    params = sum(p.numel() * 4 for p in model.parameters())
+    adam = torch.optim.Adam(model.parameters())
+    ddp = estimate.state_only(model, optimizer=adam)
+    assert ddp.total == params + params + 2 * params  # parameters, gradients (bucket views), m and v
+    # the optimizer being made: its arguments bound to its signature (momentum given by position)
+    sgd = (torch.optim.SGD, optimizers.groups_made(torch.optim.SGD, model.parameters(), (0.1, 0.9)))
+    assert estimate.state_only(model, optimizer=sgd).total == 3 * params
+    plain = (torch.optim.SGD, optimizers.groups_made(torch.optim.SGD, model.parameters(), (0.1,)))
+    assert estimate.state_only(model, optimizer=plain).total == 2 * params
+    units = [model[0], model[1]]
+    fsdp = estimate.state_only(model, optimizer=adam, plan="fsdp", processes=2, units=units)
+    block = 64 * 65 * 4
+    assert fsdp.gathered == 4 * 65 * 4 + 2 * block  # the root's own head, two blocks gathered
+    assert fsdp.total == fsdp.gathered + (params + params + 2 * params) // 2
+    offload = estimate.state_only(model, optimizer=adam, plan="fsdp", processes=2, units=units, offload=True)
+    assert offload.total == offload.gathered
+
+
+SCRIPT = """
+    import sys, torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(4)], nn.Linear(128, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(16, 128, generator=g), torch.randn(16, 2, generator=g)  # one batch an epoch
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=int(sys.argv[1]), shuffle=True
+    )
+    for _ in range(3):
+        for xb, yb in loader:
+            loss = (model(xb) - yb).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+    torch.save(model.state_dict(), sys.argv[2])
+"""
+
+#: The script's model under Adam: parameters, gradients and two moments, 4 bytes each.
+_STATE = 4 * (4 * 128 * 129 + 129 * 2) * 4
+
+
+def _close(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+@needs_fsdp
+@pytest.mark.smoke
+def test_the_command_picks_ddp_where_the_state_fits_and_fsdp_where_only_shards_do(tmp_path):
+    script = write(tmp_path / "train.py", SCRIPT)
+    one = run_python([str(script), "16", str(tmp_path / "one.pt")])
+    assert one.returncode == 0, one.stderr
+    single = torch.load(tmp_path / "one.pt")
+    for memory, plan in ((f"{2 * _STATE}B", "DDP"), (f"{int(0.7 * _STATE)}B", "FSDP")):
+        out = tmp_path / f"{plan}.pt"
+        two = run_python(
+            ["-m", "autoddp.cli", "-n", "2", "--device-memory", memory, str(script), "8", str(out)],
+            timeout=180,
+        )
+        assert two.returncode == 0, two.stderr
+        assert f"{plan} across 2 processes" in two.stderr, two.stderr
+        assert f"this process may use {format_bytes(int(memory[:-1]))}: {plan.lower()} fits" in two.stderr
+        assert f"state {format_bytes(_STATE)} under ddp" in two.stderr
+        _close(torch.load(out), single)
+
+
+def _agree(small: int, big: int) -> tuple[str, str]:
+    """Each rank with its own budget (``small`` on rank 1): the strategy and the note it takes."""
+    from autoddp.core.state import CURRENT
+    from autoddp.in_rank import models
+
+    options = CURRENT.options
+    own = small if autoddp.rank() == 1 else big
+    CURRENT.options = dataclasses.replace(options, device_memory=own)
+    try:
+        model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 2))
+        prepared = autoddp.prepare(model)
+        return models.strategy_name(prepared), models.plan_note(prepared)
+    finally:
+        CURRENT.options = options
+
+
+@needs_fsdp
+def test_every_rank_takes_the_plan_the_least_budget_allows():
+    state = 2 * 4 * (2 * 64 * 65 + 65 * 2)  # parameters and gradients: prepare knows no optimizer
+    strategy, note = autoddp.distributed(nproc=2, capture=False)(_agree)(state // 2, 10 * state)
+    assert strategy == "fsdp"  # rank 0 alone would take DDP: it takes rank 1's plan
+    assert f"this process may use {format_bytes(state // 2)}" in note
