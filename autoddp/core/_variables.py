@@ -18,5 +18,7 @@ LINE_PREFIX = "AUTODDP_LINE_PREFIX"
 HANG_FOLDER = "AUTODDP_HANG_FOLDER"
 #: "1" where the launcher asks its workers for the step report (``in_rank.step_report``).
 STEP_REPORT = "AUTODDP_STEP_REPORT"
+#: strategy="auto" after a restart for memory: the plan to start from (``core.memory.budget.LADDER``).
+PLAN_FLOOR = "AUTODDP_PLAN_FLOOR"
 #: Seconds a rank that finished the user's code may take to end before it is named and stopped.
 EXIT_SECONDS = "AUTODDP_EXIT_SECONDS"

@@ -104,6 +104,26 @@ class CollectiveInRank0Error(AutoDDPError):
     """
 
 
+class MemoryPlanError(AutoDDPError, RuntimeError):
+    """A process ran out of memory under the plan ``strategy="auto"`` took (``plan``).
+
+    ``next_plan``: the plan the launcher restarts every rank with, once (None: none is left, or
+    the run was restarted for memory already). The out-of-memory error is its cause.
+    """
+
+    def __init__(self, message: str, *, plan: str, next_plan: str | None):
+        super().__init__(message)
+        self.plan = plan
+        self.next_plan = next_plan
+
+    def __reduce__(self):
+        return (_rebuild_memory_plan_error, (self.args[0], self.plan, self.next_plan))
+
+
+def _rebuild_memory_plan_error(message: str, plan: str, next_plan: str | None) -> MemoryPlanError:
+    return MemoryPlanError(message, plan=plan, next_plan=next_plan)
+
+
 class TorchCompatibilityError(AutoDDPError, RuntimeError):
     """This torch lacks a private piece autoddp relies on (it changed between releases).
 

@@ -63,6 +63,10 @@ class Planned:
     budget: int
     #: The bytes the plans taken so far hold per process (the next model fits in what is left).
     placed: int = 0
+    #: The plans this process can take, cheapest first (names of ``core.memory.budget.LADDER``).
+    ladder: tuple[str, ...] = ("ddp",)
+    #: The plans taken, one per model weighed, in order.
+    taken: list[str] = dataclasses.field(default_factory=list)
     #: Whether a plan taken shards a model (checkpoints then load memory-mapped).
     sharded: bool = False
     #: Why each model got its plan, for the notice (weakly: a model may go).

@@ -19,7 +19,7 @@ from typing import Any
 from autoddp.core import _variables, _warn
 from autoddp.core._warn import one_line, say
 from autoddp.core.environment import preflight
-from autoddp.core.errors import ConfigurationError, SerializationError, WorkerError
+from autoddp.core.errors import ConfigurationError, MemoryPlanError, SerializationError, WorkerError
 from autoddp.in_rank.hang import record as hang_record
 from autoddp.in_rank.run_folder import transport
 from autoddp.in_rank.worker import process, stdin
@@ -120,25 +120,32 @@ def _with_restarts(
     poll_seconds = POLL_SECONDS if request.monitor_interval is None else request.monitor_interval
     reports, port = (request.hang_report, request.step_report), request.store[1]
     max_restarts, nproc = contract.max_restarts, contract.nproc
-    for attempt in range(max_restarts + 1):
+    attempt, restarts, plan = 0, 0, None
+    while True:
         try:
-            return _attempt(workers, contract, method, attempt, poll_seconds, output, reports, port, returns)
+            return _attempt(
+                workers, contract, method, (attempt, plan), poll_seconds, output, reports, port, returns
+            )
         except (ConfigurationError, SerializationError, KeyboardInterrupt):
             raise
-        except BaseException as error:
-            if attempt == max_restarts or not isinstance(error, Exception):
+        except MemoryPlanError as error:  # strategy="auto" ran out of memory: the next plan, once
+            if error.next_plan is None or plan is not None:
                 raise
-            say(
-                f"{one_line(error)}; restarting all {nproc} workers (restart {attempt + 1} of {max_restarts})"
-            )
-    raise AssertionError("unreachable")  # pragma: no cover
+            plan = error.next_plan
+            say(f"{one_line(error)}; restarting all {nproc} workers once with {plan}")
+        except BaseException as error:
+            if restarts == max_restarts or not isinstance(error, Exception):
+                raise
+            restarts += 1
+            say(f"{one_line(error)}; restarting all {nproc} workers (restart {restarts} of {max_restarts})")
+        attempt += 1
 
 
 def _attempt(
     workers: Workers,
     contract: Contract,
     method: str,
-    attempt: int,
+    start: tuple[int, str | None],
     poll_seconds: float,
     output: Output,
     reports: tuple[float, bool],
@@ -146,8 +153,10 @@ def _attempt(
     returns: bool = False,
 ) -> Any:
     """One start of all workers, in a fresh run folder with a fresh store (no stale keys);
+    ``start``: the attempt's number and the plan strategy="auto" starts from (None: the cheapest);
     ``reports``: the hang report's seconds (0: off) and whether the step report is on."""
     nproc = contract.nproc
+    attempt, plan = start
     hang_report, steps = reports
     with transport.run_folder() as folder, hang_record.folder() as records:
         entry, entry_args = workers(folder)
@@ -160,6 +169,8 @@ def _attempt(
                     env[_variables.HANG_FOLDER] = records  # step report counts their waits)
                 if steps:  # each worker's step record goes into the run folder
                     env[_variables.STEP_REPORT] = "1"
+                if plan is not None:
+                    env[_variables.PLAN_FLOOR] = plan
             watch = functools.partial(_watching, records, nproc, hang_report, folder if steps else None)
             exits = Exits(folder, nproc, returns=returns)
             context, result = supervise(entry, entry_args, envs, method, poll_seconds, logs, watch, exits)

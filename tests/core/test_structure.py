@@ -277,6 +277,7 @@ def test_the_public_api_is_the_documented_one():
         "AutoDDPWarning",
         "CollectiveInRank0Error",
         "ConfigurationError",
+        "MemoryPlanError",
         "Rank0Error",
         "RemoteError",
         "SerializationError",

@@ -150,3 +150,70 @@ def test_every_rank_takes_the_plan_the_least_budget_allows():
     strategy, note = autoddp.distributed(nproc=2, capture=False)(_agree)(state // 2, 10 * state)
     assert strategy == "fsdp"  # rank 0 alone would take DDP: it takes rank 1's plan
     assert f"this process may use {format_bytes(state // 2)}" in note
+
+
+#: The script above, where a replicated model does not fit rank 1's GPU: its first step raises
+#: torch's out-of-memory error there (``TOO_BIG``: under any plan), as CUDA's allocator would.
+OUT_OF_MEMORY = SCRIPT.replace(
+    "            loss = (model(xb) - yb).pow(2).mean()",
+    """            sharded = hasattr(model, "reshard")  # an FSDP2 module
+            if os.environ.get("RANK") == "1" and (not sharded or TOO_BIG):
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            loss = (model(xb) - yb).pow(2).mean()""",
+).replace("import sys, torch", "import os, sys, torch\n    TOO_BIG = sys.argv[3] == 'always'")
+
+
+@needs_fsdp
+@pytest.mark.smoke
+def test_out_of_memory_on_one_rank_restarts_every_rank_once_with_the_next_plan(tmp_path):
+    script = write(tmp_path / "train.py", OUT_OF_MEMORY)
+    one = run_python([str(script), "16", str(tmp_path / "one.pt"), "never"])
+    assert one.returncode == 0, one.stderr
+    two = run_python(
+        ["-m", "autoddp.cli", "-n", "2", str(script), "8", str(tmp_path / "two.pt"), "once"], timeout=180
+    )
+    assert two.returncode == 0, two.stderr
+    said = " ".join(two.stderr.split())
+    assert said.count("restarting all 2 workers once with fsdp") == 1, two.stderr
+    assert "rank 1 ran out of memory under the plan strategy='auto' took (ddp;" in said
+    assert "FSDP across 2 processes" in said and "auto (restarted at fsdp: the last run ran out" in said
+    _close(torch.load(tmp_path / "two.pt"), torch.load(tmp_path / "one.pt"))
+
+
+@needs_fsdp
+def test_a_second_out_of_memory_is_the_users_error_with_the_numbers(tmp_path):
+    script = write(tmp_path / "train.py", OUT_OF_MEMORY)
+    two = run_python(
+        ["-m", "autoddp.cli", "-n", "2", str(script), "8", str(tmp_path / "two.pt"), "always"], timeout=180
+    )
+    assert two.returncode != 0
+    said = " ".join(two.stderr.split())
+    assert said.count("restarting all 2 workers") == 1, two.stderr
+    assert "MemoryPlanError: rank 1 ran out of memory under the plan strategy='auto' took (fsdp;" in said
+    assert "after a restart for memory already: start more processes" in said
+    assert not (tmp_path / "two.pt").exists()
+
+
+def _train_out_of_memory_once(steps: int = 3) -> dict:
+    """Rank 1's first step runs out of memory where the model is replicated (as a GPU would)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(3))
+    for _ in range(steps):
+        if autoddp.rank() == 1 and not hasattr(model, "reshard"):  # (an FSDP2 module has it)
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    return autoddp.unwrap(model).state_dict()
+
+
+@needs_fsdp
+def test_the_decorator_restarts_once_with_the_next_plan_and_returns_the_result(capfd):
+    single = _train_out_of_memory_once()
+    got = autoddp.distributed(nproc=2)(_train_out_of_memory_once)()
+    _close(got, single)
+    said = " ".join(capfd.readouterr().err.split())
+    assert said.count("restarting all 2 workers once with fsdp") == 1
+    assert "FSDP across 2 processes" in said

@@ -49,6 +49,7 @@ __all__ = [
     "strategy_name",
     "plan_note",
     "class_name",
+    "recovering",
     "sharding",
     "ddp_in_charge",
     "ddp_being_built",
@@ -212,6 +213,12 @@ def class_name(model: torch.nn.Module) -> str:
         if not swapped:
             return cls.__name__
     return type(model).__name__
+
+
+def recovering() -> Any:
+    """Around the user's code in a world: out of memory under ``strategy="auto"``'s plan becomes a
+    ``MemoryPlanError`` naming the next plan (``_plan.recovering``)."""
+    return _plan.recovering()
 
 
 def plan_note(model: torch.nn.Module) -> str:

@@ -10,6 +10,11 @@ least budget and the largest needs of any rank, so no rank can take another plan
 not known yet at that point (no batch has been seen): the plan fits the state, and the notice
 says so.
 
+Out of memory under a plan taken here (torch's ``OutOfMemoryError`` reaching the end of the
+user's code, ``recovering``), the rank raises ``MemoryPlanError`` naming the next plan; autoddp's
+launcher on one machine starts every rank again once, with ``AUTODDP_PLAN_FLOOR`` set to it, and
+this module then starts the ladder there.
+
 Forced without weighing: one process (nothing to shard), FSDP's own options given (``fsdp_blocks``,
 ``mixed_precision``, ``cpu_offload``: FSDP), ``split_batches`` (DDP only), a model without
 trainable parameters or with lazy ones (sizes unknown until the first forward), a torch without
@@ -18,13 +23,16 @@ FSDP2 for this device (DDP; a warning where it does not fit).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-from autoddp.core import _warn
+from autoddp.core import _variables, _warn
+from autoddp.core.errors import MemoryPlanError
 from autoddp.core.memory import budget as budget_
 from autoddp.core.memory import estimate
 from autoddp.core.memory.optimizers import Group
@@ -59,11 +67,15 @@ def resolve(
     left = (planned.budget - planned.placed) if planned is not None else _budget(world, options)
     left, needs = _agreed(world, left, needs)
     if planned is None:
-        planned = CURRENT.planned = Planned(budget=left)
-    choice = budget_.choose(needs, left)
+        planned = CURRENT.planned = Planned(budget=left, ladder=tuple(allowed))
+    floor = os.environ.get(_variables.PLAN_FLOOR)  # (set by the launcher: a restart for memory)
+    above = allowed[allowed.index(floor) :] if floor in allowed else allowed
+    choice = budget_.choose(needs, left, above)
     planned.placed += needs[choice.name]
     planned.sharded = planned.sharded or choice.strategy == "fsdp"
-    planned.notes[module] = f"auto: {choice.describe()}; activations are not counted yet"
+    planned.taken.append(choice.name)
+    restarted = f" (restarted at {floor}: the last run ran out of memory)" if floor in allowed else ""
+    planned.notes[module] = f"auto{restarted}: {choice.describe()}; activations are not counted yet"
     if not choice.fits:
         _warn.warn(
             f"{type(module).__name__}'s state needs {format_bytes(needs[choice.name])} per process under "
@@ -72,6 +84,48 @@ def resolve(
             "device_memory= (--device-memory) if the device has more to give"
         )
     return dataclasses.replace(options, strategy=choice.strategy, cpu_offload=choice.cpu_offload)
+
+
+@contextlib.contextmanager
+def recovering() -> Iterator[None]:
+    """Around the user's code in a world: an out-of-memory error under a plan ``strategy="auto"``
+    took becomes a ``MemoryPlanError`` naming the next plan, which the launcher restarts every
+    rank with, once (none after a restart for memory, or past the last plan: the numbers only)."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as error:
+        planned = CURRENT.planned
+        if planned is None or not planned.taken:
+            raise
+        raise _out_of_memory(planned, error) from error
+
+
+def _out_of_memory(planned: Planned, error: BaseException) -> MemoryPlanError:
+    rank = CURRENT.world.rank if CURRENT.world is not None else 0
+    highest = max(planned.ladder.index(name) for name in planned.taken)
+    restarted = os.environ.get(_variables.PLAN_FLOOR) in planned.ladder
+    following = planned.ladder[highest + 1 :]
+    next_plan = following[0] if following and not restarted else None
+    plan = planned.ladder[highest]
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    said = (
+        f"rank {rank} ran out of memory under the plan strategy='auto' took ({plan}; "
+        f"{format_bytes(planned.placed)} of state per process, {format_bytes(planned.budget)} "
+        f"allowed): {first}"
+    )
+    if next_plan is not None:
+        _, strategy, offload = next(rung for rung in budget_.LADDER if rung[0] == next_plan)
+        forced = f"strategy={strategy!r}" + (", cpu_offload=True" if offload else "")
+        return MemoryPlanError(
+            f"{said}; the next plan is {next_plan} ({forced} takes it)", plan=plan, next_plan=next_plan
+        )
+    why = "after a restart for memory already" if restarted else "and no larger plan is left"
+    return MemoryPlanError(
+        f"{said}, {why}: start more processes, train on smaller batches, or pass a smaller "
+        "device_memory= (--device-memory) so that autoddp shards sooner",
+        plan=plan,
+        next_plan=None,
+    )
 
 
 def note(module: torch.nn.Module) -> str:

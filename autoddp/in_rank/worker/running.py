@@ -89,7 +89,8 @@ def run_in_world(job: Job, world: World, finish: Callable[[Any], Any]) -> Any:
                     if world.world_size > 1:
                         kept.install()
                     try:
-                        result = job.fn(*args, **kwargs)
+                        with models.recovering():
+                            result = job.fn(*args, **kwargs)
                     finally:
                         kept.uninstall()
                 del args, kwargs

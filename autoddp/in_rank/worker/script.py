@@ -181,7 +181,8 @@ def _run_captured(argv: list[str], kept: KeptGroups) -> None:
         session = _start_capture(capture_on, options, timeout)
         kept.install()
         try:
-            _run(argv)
+            with models.recovering():
+                _run(argv)
             if session is not None:
                 session.ended_well = True
         finally:
