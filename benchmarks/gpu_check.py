@@ -223,6 +223,34 @@ def fsdp_checks(device: torch.device) -> list[Check]:
     return [check("fsdp", sharded)]
 
 
+def auto_check(device: torch.device) -> tuple[bool | None, Any]:
+    """strategy="auto" on this device: a budget between the model's sharded and replicated state
+    takes FSDP2 (the default budget, read from the GPU, took DDP in the ``ddp`` checks)."""
+    missing = fsdp_missing(device)
+    if missing is not None:
+        return None, f"not available: {missing}"
+    from torch.distributed.tensor import DTensor
+
+    from autoddp.core.memory import estimate
+
+    layers = [torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(4)]  # (blocks: sharding pays off)
+    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), *layers, torch.nn.Linear(HIDDEN, CLASSES))
+    units = models.fsdp.units(model)
+    ddp_need = estimate.state_only(model, plan="ddp").total
+    fsdp_need = estimate.state_only(model, plan="fsdp", processes=2, units=units).total
+    if fsdp_need >= ddp_need:
+        return (
+            None,
+            f"not available: the sharded state ({fsdp_need} B) is not below the replicated ({ddp_need} B)",
+        )
+    with forced_world(device, RunOptions(capture=False, device_memory=fsdp_need)):
+        prepared = autoddp.prepare(model)
+        sharded = all(isinstance(p, DTensor) for p in prepared.parameters())
+        losses = train(prepared, batches(device, 2))
+        note = models.plan_note(prepared)
+    return sharded and all(v == v for v in losses), {"sharded": sharded, "note": note, "losses": losses}
+
+
 @contextlib.contextmanager
 def group_of_one(device: torch.device) -> Iterator[None]:
     """A real process group of one rank in this process for the block: NCCL on cuda:0, else gloo."""
@@ -269,6 +297,7 @@ def one_gpu_checks(device: torch.device, compile_too: bool) -> list[Check]:
             results += ddp_checks(device, compile_too)
         with forced_world(device, RunOptions(strategy="fsdp", capture=False)):
             results += fsdp_checks(device)
+        results.append(check("auto: fsdp where ddp does not fit", lambda: auto_check(device)))
         results.append(check("hang marks on a CUDA stream", hang_marks))
     return results
 
