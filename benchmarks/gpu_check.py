@@ -233,8 +233,9 @@ def auto_check(device: torch.device) -> tuple[bool | None, Any]:
 
     from autoddp.core.memory import estimate
 
-    layers = [torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(4)]  # (blocks: sharding pays off)
-    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), *layers, torch.nn.Linear(HIDDEN, CLASSES))
+    wide = 2048 if device.type == "cuda" else HIDDEN  # (on a GPU: state well above cuBLAS's workspace)
+    layers = [torch.nn.Linear(wide, wide) for _ in range(8)]  # (blocks: sharding pays off)
+    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, wide), *layers, torch.nn.Linear(wide, CLASSES))
     units = models.fsdp.units(model)
     ddp_need = estimate.state_only(model, plan="ddp").total
     fsdp_need = estimate.state_only(model, plan="fsdp", processes=2, units=units).total
@@ -243,12 +244,26 @@ def auto_check(device: torch.device) -> tuple[bool | None, Any]:
             None,
             f"not available: the sharded state ({fsdp_need} B) is not below the replicated ({ddp_need} B)",
         )
-    with forced_world(device, RunOptions(capture=False, device_memory=fsdp_need)):
+    budget = (fsdp_need + ddp_need) // 2  # DDP does not fit, FSDP with room for a step
+    with forced_world(device, RunOptions(capture=False, device_memory=budget)):
         prepared = autoddp.prepare(model)
         sharded = all(isinstance(p, DTensor) for p in prepared.parameters())
         losses = train(prepared, batches(device, 2))
         note = models.plan_note(prepared)
-    return sharded and all(v == v for v in losses), {"sharded": sharded, "note": note, "losses": losses}
+    details = {"sharded": sharded, "note": note, "losses": losses}
+    if device.type == "cuda":  # the first step's peak, activations included, weighed against the budget
+        with forced_world(device, RunOptions(capture=False, device_memory=ddp_need + 2**20)):
+            replicated = autoddp.prepare(build_model().to(device))
+            try:
+                x = torch.randn(2**14, FEATURES, device=device)  # activations far over 1 MiB
+                opt = torch.optim.SGD(replicated.parameters(), lr=0.1)
+                replicated(x).sum().backward()
+                opt.step()
+                details["first step over the budget"] = "not raised"
+            except autoddp.MemoryPlanError as error:
+                details["first step over the budget"] = str(error)[:300]
+        sharded = sharded and details["first step over the budget"] != "not raised"
+    return sharded and all(v == v for v in losses), details
 
 
 @contextlib.contextmanager

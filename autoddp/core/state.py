@@ -69,6 +69,8 @@ class Planned:
     taken: list[str] = dataclasses.field(default_factory=list)
     #: Whether a plan taken shards a model (checkpoints then load memory-mapped).
     sharded: bool = False
+    #: The hook that weighs the first optimizer step's peak on a GPU (``models._plan``; None: none).
+    watch: Any = None
     #: Why each model got its plan, for the notice (weakly: a model may go).
     notes: weakref.WeakKeyDictionary[Any, str] = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
 

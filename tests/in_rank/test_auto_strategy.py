@@ -217,3 +217,25 @@ def test_the_decorator_restarts_once_with_the_next_plan_and_returns_the_result(c
     said = " ".join(capfd.readouterr().err.split())
     assert said.count("restarting all 2 workers once with fsdp") == 1
     assert "FSDP across 2 processes" in said
+
+
+@pytest.mark.unit
+def test_a_first_step_over_the_budget_on_a_gpu_names_the_next_plan_once(monkeypatch):
+    from autoddp.core.state import Planned
+    from autoddp.in_rank.models import _plan
+
+    monkeypatch.delenv("AUTODDP_PLAN_FLOOR", raising=False)
+    ladder = ("ddp", "fsdp", "fsdp with CPU offload")
+    planned = Planned(budget=100 * MiB, placed=60 * MiB, ladder=ladder, taken=["ddp"])
+    assert _plan.first_step_exceeds(planned, 100 * MiB) is None  # activations included, it fits
+    error = _plan.first_step_exceeds(planned, 130 * MiB)
+    assert isinstance(error, autoddp.MemoryPlanError) and error.next_plan == "fsdp"
+    assert (
+        "took (ddp; 60.0 MiB of state per process, 100.0 MiB allowed): its first step held 130.0 MiB"
+        in str(error)
+    )
+    planned.taken.append("fsdp")  # a second model sharded: the next plan is past the largest taken
+    assert _plan.first_step_exceeds(planned, 130 * MiB).next_plan == "fsdp with CPU offload"
+    monkeypatch.setenv("AUTODDP_PLAN_FLOOR", "fsdp")  # restarted for memory already: no next plan
+    error = _plan.first_step_exceeds(planned, 130 * MiB)
+    assert error.next_plan is None and "after a restart for memory already" in str(error)

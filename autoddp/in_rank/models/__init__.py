@@ -140,6 +140,7 @@ def wrap(
     options = _plan.resolve(module, world, options, training)
     before = list(module.named_parameters())
     wrapped = _named(options.strategy).wrap(module, world, options, move=move)
+    _plan.measured_from_here(world)
     _rebind.rebind_optimizers(_rebind.remember(wrapped, before), optimizers)
     return wrapped
 

@@ -10,10 +10,12 @@ least budget and the largest needs of any rank, so no rank can take another plan
 not known yet at that point (no batch has been seen): the plan fits the state, and the notice
 says so.
 
-Out of memory under a plan taken here (torch's ``OutOfMemoryError`` reaching the end of the
-user's code, ``recovering``), the rank raises ``MemoryPlanError`` naming the next plan; autoddp's
-launcher on one machine starts every rank again once, with ``AUTODDP_PLAN_FLOOR`` set to it, and
-this module then starts the ladder there.
+On a GPU the first optimizer step's peak, counted from the wrap (``measured_from_here``), is
+weighed against the budget too (``first_step_exceeds``). Over it, or out of memory under a plan
+taken here (torch's ``OutOfMemoryError`` reaching the end of the user's code, ``recovering``),
+the rank raises ``MemoryPlanError`` naming the next plan; autoddp's launcher on one machine starts
+every rank again once, with ``AUTODDP_PLAN_FLOOR`` set to it, and this module then starts the
+ladder there.
 
 Forced without weighing: one process (nothing to shard), FSDP's own options given (``fsdp_blocks``,
 ``mixed_precision``, ``cpu_offload``: FSDP), ``split_batches`` (DDP only), a model without
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -75,7 +78,12 @@ def resolve(
     planned.sharded = planned.sharded or choice.strategy == "fsdp"
     planned.taken.append(choice.name)
     restarted = f" (restarted at {floor}: the last run ran out of memory)" if floor in allowed else ""
-    planned.notes[module] = f"auto{restarted}: {choice.describe()}; activations are not counted yet"
+    later = (
+        "the first step's peak is weighed too"
+        if world.device.startswith("cuda")
+        else "activations not counted"
+    )
+    planned.notes[module] = f"auto{restarted}: {choice.describe()}; {later}"
     if not choice.fits:
         _warn.warn(
             f"{type(module).__name__}'s state needs {format_bytes(needs[choice.name])} per process under "
@@ -97,21 +105,61 @@ def recovering() -> Iterator[None]:
         planned = CURRENT.planned
         if planned is None or not planned.taken:
             raise
-        raise _out_of_memory(planned, error) from error
+        raise _out_of_memory(planned, _first_line(error)) from error
 
 
-def _out_of_memory(planned: Planned, error: BaseException) -> MemoryPlanError:
+def measured_from_here(world: World) -> None:
+    """After a model was wrapped under a plan "auto" took on a GPU: the device's peak counts from
+    here (the whole model the script moved there before it was sharded is no step's), and the
+    first optimizer step's peak is weighed against the budget (``first_step_exceeds``)."""
+    planned = CURRENT.planned
+    if planned is None or not planned.taken or not world.device.startswith("cuda"):
+        return
+    torch.cuda.reset_peak_memory_stats(world.device)
+    if planned.watch is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        check = functools.partial(_after_first_step, planned, world.device)
+        planned.watch = register_optimizer_step_post_hook(check)
+
+
+def _after_first_step(planned: Planned, device: str, *_: Any) -> None:
+    """The first optimizer step's peak on the GPU, weighed once: over the budget, the next plan."""
+    if planned.watch is None:
+        return
+    planned.watch.remove()
+    if CURRENT.planned is planned:
+        error = first_step_exceeds(planned, torch.cuda.max_memory_allocated(device))
+        if error is not None:
+            raise error
+
+
+def first_step_exceeds(planned: Planned, peak: int) -> MemoryPlanError | None:
+    """The error a first step whose device peak (``peak`` bytes, activations included) is over the
+    budget raises (it names the next plan), or None where the step fitted."""
+    if peak <= planned.budget:
+        return None
+    return _out_of_memory(
+        planned, f"its first step held {format_bytes(peak)} on the device (torch.cuda.max_memory_allocated)"
+    )
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _out_of_memory(planned: Planned, what: str) -> MemoryPlanError:
     rank = CURRENT.world.rank if CURRENT.world is not None else 0
     highest = max(planned.ladder.index(name) for name in planned.taken)
     restarted = os.environ.get(_variables.PLAN_FLOOR) in planned.ladder
     following = planned.ladder[highest + 1 :]
     next_plan = following[0] if following and not restarted else None
     plan = planned.ladder[highest]
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     said = (
         f"rank {rank} ran out of memory under the plan strategy='auto' took ({plan}; "
         f"{format_bytes(planned.placed)} of state per process, {format_bytes(planned.budget)} "
-        f"allowed): {first}"
+        f"allowed): {what}"
     )
     if next_plan is not None:
         _, strategy, offload = next(rung for rung in budget_.LADDER if rung[0] == next_plan)
