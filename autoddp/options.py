@@ -20,7 +20,6 @@ from typing import Any
 from autoddp.core import backends
 from autoddp.core.environment import hardware
 from autoddp.core.errors import ConfigurationError
-from autoddp.core.memory.sizes import parse_bytes
 from autoddp.core.state import RunOptions
 from autoddp.in_rank import models
 from autoddp.in_rank.hang import record as hang_record
@@ -208,13 +207,15 @@ class Options:
             self.strategy, self.ddp, self.fsdp_blocks, self.mixed_precision, self.cpu_offload
         )
         if self.device_memory is not None:
-            object.__setattr__(self, "device_memory", parse_bytes(self.device_memory, name="device_memory"))
+            object.__setattr__(
+                self, "device_memory", models.check_device_memory(self.device_memory, self.strategy)
+            )
         object.__setattr__(self, "hang_report", hang_record.checked_seconds(self.hang_report))
         fsdp_asked = self.strategy == "fsdp" or self.fsdp_blocks or self.mixed_precision or self.cpu_offload
         if self.split_batches is True and fsdp_asked:
             raise ConfigurationError(
-                "split_batches=True works with DDP only so far, and strategy='fsdp' or FSDP's options "
-                "(fsdp_blocks=, mixed_precision=, cpu_offload=) ask for FSDP: leave one of them out"
+                "split_batches works with DDP only so far, and strategy='fsdp' or one of FSDP's options "
+                "(fsdp_blocks, mixed_precision, cpu_offload) asks for FSDP: leave one of them out"
             )
         for name in ("sync_batchnorm", "capture", "cpu_offload", "split_batches", "step_report"):
             if not isinstance(getattr(self, name), bool):

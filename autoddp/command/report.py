@@ -194,6 +194,8 @@ def _network(environ: Mapping[str, str], world: World | None, master: str | None
 
 def _strategy(gpus: int, count: int) -> str:
     """What strategy="auto" weighs a model's state against here (``core.memory.budget``)."""
+    if count == 1:
+        return "auto: one process, nothing to shard (DDP's path)"
     if gpus:
         share = f"{budget.GPU_MARGIN:.0%}"
         limit = f"the GPU's free memory less {share} of its size, read by each process when it first decides"
@@ -203,7 +205,7 @@ def _strategy(gpus: int, count: int) -> str:
             f"{format_bytes(budget.cpu_default(available, count))} per process" if available else "unknown"
         )
         limit = f"{known} (the available memory over {count} process{'es' if count > 1 else ''})"
-    return f"auto: DDP where a model's state fits {limit}, else FSDP2 (--device-memory, --strategy to set)"
+    return f"auto: DDP where a model's state fits {limit}, else FSDP2 (a run's --device-memory sets it)"
 
 
 def _processes(launched: bool, world_size: int, gpus: int) -> str:

@@ -59,8 +59,9 @@ class RunOptions:
 class Planned:
     """What strategy="auto" decided in the current world (``models._plan``)."""
 
-    #: The bytes each process may use, agreed by every rank at the first decision (the least of theirs).
-    budget: int
+    #: The bytes each process may use, agreed by every rank at the first weighing (the least of
+    #: theirs; None: no model weighed yet).
+    budget: int | None = None
     #: The bytes the plans taken so far hold per process (the next model fits in what is left).
     placed: int = 0
     #: The plans this process can take, cheapest first (names of ``core.memory.budget.LADDER``).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy
 import pytest
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ MiB = 2**20
 
 
 @pytest.mark.unit
-def test_the_cheapest_plan_that_fits_is_taken_and_none_fitting_takes_the_smallest():
+def test_the_cheapest_plan_that_fits_is_taken_and_none_fitting_takes_the_fewest_bytes():
     needs = {"ddp": 40, "fsdp": 25, "fsdp with CPU offload": 5}
     assert budget.choose(needs, 100).name == "ddp"  # a model that fits under DDP always gets DDP
     assert budget.choose(needs, 40).name == "ddp"
@@ -33,7 +34,18 @@ def test_the_cheapest_plan_that_fits_is_taken_and_none_fitting_takes_the_smalles
     assert (chosen.strategy, chosen.cpu_offload, chosen.fits) == ("fsdp", True, True)
     chosen = budget.choose({"ddp": 40, "fsdp": 25}, 10)  # on CPU: no offload to weigh
     assert (chosen.name, chosen.fits) == ("fsdp", False)
-    assert "none fits, fsdp (the smallest) taken" in chosen.describe()
+    assert (
+        chosen.describe()
+        == "no plan fits the 10 B a process may use (state 40 B under ddp, 25 B under fsdp): "
+        "fsdp needs the fewest"
+    )
+    assert budget.choose(needs, 100).describe() == "state 40 B fits the 100 B a process may use"
+    assert (
+        budget.choose(needs, 30).describe()
+        == "state 40 B under ddp does not fit the 30 B a process may use; 25 B under fsdp does"
+    )
+    # a small model is larger sharded (the gathered blocks): none fitting, it keeps DDP
+    assert budget.choose({"ddp": 30, "fsdp": 38}, 10).name == "ddp"
 
 
 @pytest.mark.unit
@@ -52,9 +64,16 @@ def test_device_memory_takes_sizes_and_refuses_anything_else_naming_the_forms():
     for bad in ("lots", "-3GiB", "12 parsecs", True):
         with pytest.raises(ConfigurationError, match="device_memory=.*'24GiB'"):
             autoddp.distributed(device_memory=bad)
+    assert Options(device_memory=numpy.int64(2**30)).device_memory == 2**30
+    with pytest.raises(
+        ConfigurationError, match="device_memory=0: give the memory one process may use, above 0"
+    ):
+        autoddp.distributed(device_memory=0)
+    with pytest.raises(ConfigurationError, match="strategy='ddp' weighs nothing: leave device_memory out"):
+        autoddp.distributed(strategy="ddp", device_memory="1GiB")
     with pytest.raises(ConfigurationError, match="use strategy='fsdp'"):
         autoddp.distributed(strategy="ddp", cpu_offload=True)
-    with pytest.raises(ConfigurationError, match="split_batches=True works with DDP only"):
+    with pytest.raises(ConfigurationError, match="split_batches works with DDP only"):
         autoddp.distributed(split_batches=True, mixed_precision="bf16")
 
 
@@ -65,10 +84,11 @@ def test_the_state_weighed_for_each_plan():
     adam = torch.optim.Adam(model.parameters())
     ddp = estimate.state_only(model, optimizer=adam)
     assert ddp.total == params + params + 2 * params  # parameters, gradients (bucket views), m and v
-    # the optimizer being made: its arguments bound to its signature (momentum given by position)
-    sgd = (torch.optim.SGD, optimizers.groups_made(torch.optim.SGD, model.parameters(), (0.1, 0.9)))
+    # the optimizer being made: the groups from its defaults
+    defaults = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9).defaults  # (what __init__ passes on)
+    sgd = (torch.optim.SGD, optimizers.groups_made(model.parameters(), defaults))
     assert estimate.state_only(model, optimizer=sgd).total == 3 * params
-    plain = (torch.optim.SGD, optimizers.groups_made(torch.optim.SGD, model.parameters(), (0.1,)))
+    plain = (torch.optim.SGD, optimizers.groups_made(model.parameters(), {**defaults, "momentum": 0}))
     assert estimate.state_only(model, optimizer=plain).total == 2 * params
     units = [model[0], model[1]]
     fsdp = estimate.state_only(model, optimizer=adam, plan="fsdp", processes=2, units=units)
@@ -85,7 +105,7 @@ SCRIPT = """
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(4)], nn.Linear(128, 2))
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    opt = torch.optim.SGD(model.parameters(), 0.01, 0.9)  # momentum by position: one copy of state
     g = torch.Generator().manual_seed(5)
     x, y = torch.randn(16, 128, generator=g), torch.randn(16, 2, generator=g)  # one batch an epoch
     loader = torch.utils.data.DataLoader(
@@ -98,8 +118,8 @@ SCRIPT = """
     torch.save(model.state_dict(), sys.argv[2])
 """
 
-#: The script's model under Adam: parameters, gradients and two moments, 4 bytes each.
-_STATE = 4 * (4 * 128 * 129 + 129 * 2) * 4
+#: The script's model under SGD with momentum: parameters, gradients and momentum, 4 bytes each.
+_STATE = 3 * (4 * 128 * 129 + 129 * 2) * 4
 
 
 def _close(got: dict, want: dict) -> None:
@@ -115,7 +135,7 @@ def test_the_command_picks_ddp_where_the_state_fits_and_fsdp_where_only_shards_d
     one = run_python([str(script), "16", str(tmp_path / "one.pt")])
     assert one.returncode == 0, one.stderr
     single = torch.load(tmp_path / "one.pt")
-    for memory, plan in ((f"{2 * _STATE}B", "DDP"), (f"{int(0.7 * _STATE)}B", "FSDP")):
+    for memory, plan in ((f"{2 * _STATE}B", "DDP"), (f"{int(0.75 * _STATE)}B", "FSDP")):
         out = tmp_path / f"{plan}.pt"
         two = run_python(
             ["-m", "autoddp.cli", "-n", "2", "--device-memory", memory, str(script), "8", str(out)],
@@ -123,8 +143,11 @@ def test_the_command_picks_ddp_where_the_state_fits_and_fsdp_where_only_shards_d
         )
         assert two.returncode == 0, two.stderr
         assert f"{plan} across 2 processes" in two.stderr, two.stderr
-        assert f"this process may use {format_bytes(int(memory[:-1]))}: {plan.lower()} fits" in two.stderr
-        assert f"state {format_bytes(_STATE)} under ddp" in two.stderr
+        allowed = f"the {format_bytes(int(memory[:-1]))} a process may use"
+        if plan == "DDP":
+            assert f"auto: state {format_bytes(_STATE)} fits {allowed}" in two.stderr
+        else:
+            assert f"auto: state {format_bytes(_STATE)} under ddp does not fit {allowed}; " in two.stderr
         _close(torch.load(out), single)
 
 
@@ -137,7 +160,7 @@ def _agree(small: int, big: int) -> tuple[str, str]:
     own = small if autoddp.rank() == 1 else big
     CURRENT.options = dataclasses.replace(options, device_memory=own)
     try:
-        model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 2))
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)], nn.Linear(64, 2))
         prepared = autoddp.prepare(model)
         return models.strategy_name(prepared), models.plan_note(prepared)
     finally:
@@ -146,10 +169,11 @@ def _agree(small: int, big: int) -> tuple[str, str]:
 
 @needs_fsdp
 def test_every_rank_takes_the_plan_the_least_budget_allows():
-    state = 2 * 4 * (2 * 64 * 65 + 65 * 2)  # parameters and gradients: prepare knows no optimizer
-    strategy, note = autoddp.distributed(nproc=2, capture=False)(_agree)(state // 2, 10 * state)
+    state = 2 * 4 * (6 * 64 * 65 + 65 * 2)  # parameters and gradients: prepare knows no optimizer
+    small = int(0.8 * state)  # sharded: about 1/2 of it, and two blocks gathered
+    strategy, note = autoddp.distributed(nproc=2, capture=False)(_agree)(small, 2**70)  # (no int64 holds it)
     assert strategy == "fsdp"  # rank 0 alone would take DDP: it takes rank 1's plan
-    assert f"this process may use {format_bytes(state // 2)}" in note
+    assert f"does not fit the {format_bytes(small)} a process may use" in note
 
 
 #: The script above, where a replicated model does not fit rank 1's GPU: its first step raises
@@ -175,7 +199,7 @@ def test_out_of_memory_on_one_rank_restarts_every_rank_once_with_the_next_plan(t
     assert two.returncode == 0, two.stderr
     said = " ".join(two.stderr.split())
     assert said.count("restarting all 2 workers once with fsdp") == 1, two.stderr
-    assert "rank 1 ran out of memory under the plan strategy='auto' took (ddp;" in said
+    assert "[rank 1 of 2] ran out of memory under the plan strategy='auto' took (ddp;" in said
     assert "FSDP across 2 processes" in said and "auto (restarted at fsdp: the last run ran out" in said
     _close(torch.load(tmp_path / "two.pt"), torch.load(tmp_path / "one.pt"))
 
@@ -189,8 +213,10 @@ def test_a_second_out_of_memory_is_the_users_error_with_the_numbers(tmp_path):
     assert two.returncode != 0
     said = " ".join(two.stderr.split())
     assert said.count("restarting all 2 workers") == 1, two.stderr
-    assert "MemoryPlanError: rank 1 ran out of memory under the plan strategy='auto' took (fsdp;" in said
-    assert "after a restart for memory already: start more processes" in said
+    assert (
+        "MemoryPlanError: [rank 1 of 2] ran out of memory under the plan strategy='auto' took (fsdp" in said
+    )
+    assert "after a restart for memory already: start more processes or train on smaller batches" in said
     assert not (tmp_path / "two.pt").exists()
 
 
@@ -239,3 +265,30 @@ def test_a_first_step_over_the_budget_on_a_gpu_names_the_next_plan_once(monkeypa
     monkeypatch.setenv("AUTODDP_PLAN_FLOOR", "fsdp")  # restarted for memory already: no next plan
     error = _plan.first_step_exceeds(planned, 130 * MiB)
     assert error.next_plan is None and "after a restart for memory already" in str(error)
+
+
+@pytest.mark.unit
+def test_models_fsdp2_cannot_shard_as_they_are_keep_ddp_and_say_why():
+    from autoddp.core.state import RunOptions, World
+    from autoddp.in_rank.models import _plan, fsdp
+
+    world, options = World(world_size=2, local_world_size=2), RunOptions()
+
+    def forced(module, training=None):
+        return _plan._forced(module, world, options, training, fsdp)
+
+    blocks = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    assert forced(blocks) is None  # weighed
+    tied = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    tied[1].weight = tied[0].weight  # one weight in two blocks: FSDP2 refuses it
+    assert forced(tied)[0] == "ddp" and "shared by two of its blocks" in forced(tied)[1]
+    assert forced(blocks, (torch.optim.LBFGS, []))[0] == "ddp"
+    compiled = torch.compile(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), backend="eager")
+    assert forced(compiled)[0] == "ddp" and "torch.compile" in forced(compiled)[1]
+    lazy = nn.Sequential(nn.LazyLinear(8), nn.Linear(8, 2))
+    assert forced(lazy)[0] == "ddp"
+    assert forced(blocks, None) is None
+    assert (
+        _plan._forced(blocks, world, dataclasses.replace(options, cpu_offload=True), None, fsdp)[0] == "fsdp"
+    )
+    assert _plan._forced(blocks, World(), options, None, fsdp) == ("ddp", None)  # one process

@@ -501,3 +501,26 @@ def test_skip_mechanics_under_coverage(tmp_path, core):
         )
         assert proc.returncode == 0, (first, proc.stdout, proc.stderr)
         assert "skip mechanics ok" in proc.stdout
+
+
+def _probe_in_rank0() -> list:
+    """A model and its optimizer made and trained inside a rank0() body (a probe on rank 0 alone)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    trained = []
+    with autoddp.rank0():
+        probe = torch.nn.Linear(8, 2)
+        probe_opt = torch.optim.Adam(probe.parameters(), lr=1e-3)
+        probe(torch.randn(4, 8)).pow(2).mean().backward()
+        probe_opt.step()
+        trained.append(type(probe).__name__)
+    return trained
+
+
+def test_a_model_made_and_trained_inside_a_rank0_block_stays_rank_0s_own():
+    # Before: capture wrapped it in DDP (or weighed it with a collective) on rank 0 alone, and the
+    # run hung (or was refused) with a collective the user never wrote.
+    assert autoddp.distributed(nproc=2)(_probe_in_rank0)() == ["Linear"]

@@ -67,16 +67,25 @@ class Choice:
     fits: bool
 
     def describe(self) -> str:
-        """One clause for the notice: why this plan (``"state 1.6 GiB per process under DDP; ..."``)."""
-        weighed = "; ".join(f"{format_bytes(need)} under {name}" for name, need in self.needs.items())
-        verdict = f"{self.name} fits" if self.fits else f"none fits, {self.name} (the smallest) taken"
-        return f"state {weighed}; this process may use {format_bytes(self.budget)}: {verdict}"
+        """One clause for the notice: why this plan (``"state 1.6 GiB fits the 24.0 GiB ..."``)."""
+        allowed = f"the {format_bytes(self.budget)} a process may use"
+        need = format_bytes(self.needs[self.name])
+        if self.fits and self.name == next(iter(self.needs)):
+            return f"state {need} fits {allowed}"
+        if self.fits:
+            names = list(self.needs)  # (cheapest first: those before the plan taken did not fit)
+            cheaper = ", ".join(
+                f"{format_bytes(self.needs[name])} under {name}" for name in names[: names.index(self.name)]
+            )
+            return f"state {cheaper} does not fit {allowed}; {need} under {self.name} does"
+        weighed = ", ".join(f"{format_bytes(bytes_)} under {name}" for name, bytes_ in self.needs.items())
+        return f"no plan fits {allowed} (state {weighed}): {self.name} needs the fewest"
 
 
 def choose(needs: Mapping[str, int], budget: int, allowed: Sequence[str] | None = None) -> Choice:
     """The cheapest plan of ``LADDER`` (only the ``allowed`` names, if given) whose need fits
-    ``budget``; the last one weighed where none fits (``fits`` False). ``needs``: bytes per plan
-    name, for the plans the caller could weigh (a plan not in it is skipped)."""
+    ``budget``; where none fits, the one that needs the fewest bytes (``fits`` False). ``needs``:
+    bytes per plan name, for the plans the caller could weigh (a plan not in it is skipped)."""
     ladder = [plan for plan in LADDER if plan[0] in needs and (allowed is None or plan[0] in allowed)]
     if not ladder:
         raise ValueError(f"no plan to weigh: needs={dict(needs)!r}, allowed={allowed!r}")
@@ -84,5 +93,5 @@ def choose(needs: Mapping[str, int], budget: int, allowed: Sequence[str] | None 
     for name, strategy, offload in ladder:
         if needs[name] <= budget:
             return Choice(name, strategy, offload, weighed, budget, True)
-    name, strategy, offload = ladder[-1]
+    name, strategy, offload = min(ladder, key=lambda plan: needs[plan[0]])  # (the cheaper on a tie)
     return Choice(name, strategy, offload, weighed, budget, False)

@@ -9,7 +9,6 @@ rule ``FALLBACK_COPIES`` is taken and the estimate says so.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -78,25 +77,14 @@ def groups_of(
     return optimizer, [Group(tuple(_unique(params)), dict(kwargs or {}))]
 
 
-def groups_made(
-    cls: type, params: Any, args: tuple = (), kwargs: Mapping[str, Any] | None = None
-) -> list[Group]:
-    """The groups ``cls(params, *args, **kwargs)`` will hold, before it is made: each group's own
-    settings over the defaults the call gives (its arguments bound to ``cls``'s signature).
-    ``params``: tensors, or dicts of groups (``{"params": [...], "lr": ...}``)."""
-    try:
-        bound = inspect.signature(cls).bind(params, *args, **dict(kwargs or {}))
-        bound.apply_defaults()
-        defaults: dict[str, Any] = {}
-        for name, value in list(bound.arguments.items())[1:]:  # (the first is params)
-            kind = bound.signature.parameters[name].kind
-            defaults.update(value if kind is inspect.Parameter.VAR_KEYWORD else {name: value})
-    except (TypeError, ValueError):  # a signature inspect cannot read, or arguments it does not take
-        defaults = dict(kwargs or {})
+def groups_made(params: Any, defaults: Mapping[str, Any]) -> list[Group]:
+    """The groups an optimizer made over ``params`` with ``defaults`` will hold, before it is made
+    (what every optimizer passes ``torch.optim.Optimizer.__init__``): each group's own settings
+    over the defaults. ``params``: tensors, (name, tensor) pairs, or dicts of groups."""
     items = [params] if isinstance(params, torch.Tensor) else list(params)
     groups = [dict(item) for item in items if isinstance(item, dict)]
     loose = [item[1] if isinstance(item, tuple) else item for item in items if not isinstance(item, dict)]
-    found = [Group(tuple(_unique(loose)), defaults)] if loose else []
+    found = [Group(tuple(_unique(loose)), dict(defaults))] if loose else []
     for group in groups:
         own = group.pop("params")
         own = [own] if isinstance(own, torch.Tensor) else own

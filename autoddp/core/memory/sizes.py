@@ -4,6 +4,7 @@ the notices print them (``"1.6 GiB"``)."""
 from __future__ import annotations
 
 import math
+import operator
 import re
 
 from autoddp.core.errors import ConfigurationError
@@ -33,6 +34,8 @@ def parse_bytes(value: int | float | str, *, name: str = "size") -> int:
     Raises ConfigurationError naming the accepted forms for anything else: a negative size, an
     unknown unit, a boolean, nonsense. ``name`` is the option the value was given for.
     """
+    if hasattr(type(value), "__index__") and not isinstance(value, bool):  # numpy.int64(2**30) too
+        value = operator.index(value)
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ConfigurationError(f"{name}={value!r} is not a size: give {_FORMS}")
     if isinstance(value, (int, float)):

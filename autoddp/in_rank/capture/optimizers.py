@@ -49,11 +49,14 @@ class Optimizers:
 
     def _optimizer_init(self, original: Any) -> Any:
         def __init__(optimizer: Any, /, params: Any, *args: Any, **kwargs: Any) -> None:
-            if self.session.busy:
+            if self.session.busy or CURRENT.alone:  # (in a rank0() body rank 0 trains alone)
                 original(optimizer, params, *args, **kwargs)
                 return
             self.made += 1
-            params = self._distribute_models(params, (type(optimizer), args, kwargs))
+            defaults = (
+                args[0] if args else kwargs.get("defaults", {})
+            )  # (Optimizer.__init__(params, defaults))
+            params = self._distribute_models(params, (type(optimizer), dict(defaults)))
             self._constructing.add(id(optimizer))  # its own add_param_group calls: done above
             try:
                 original(optimizer, params, *args, **kwargs)
@@ -66,11 +69,11 @@ class Optimizers:
 
     def _add_param_group(self, original: Any) -> Any:
         def add_param_group(optimizer: Any, /, param_group: Any) -> None:
-            busy = self.session.busy
+            busy = self.session.busy or CURRENT.alone
             if busy or id(optimizer) in self._constructing or not isinstance(param_group, dict):
                 original(optimizer, param_group)
                 return
-            made = (type(optimizer), (), optimizer.defaults)
+            made = (type(optimizer), dict(optimizer.defaults))
             original(optimizer, self._distribute_models([param_group], made)[0])  # a head added later
             models.bind_optimizer(optimizer)
             models.guard_optimizer(optimizer)
@@ -95,9 +98,9 @@ class Optimizers:
             subject=root,
         )
 
-    def _distribute_models(self, params: Any, made: tuple[type, tuple, dict] | None = None) -> Any:
+    def _distribute_models(self, params: Any, made: tuple[type, dict] | None = None) -> Any:
         """``params`` over the models they belong to, distributed; ``made``: the optimizer's class and
-        its other arguments (its state is weighed by strategy="auto")."""
+        its defaults (its state is weighed by strategy="auto")."""
         session = self.session
         items = materialize(params)
         found, orphans = roots(tensors_of(items), session.registry)
@@ -118,7 +121,7 @@ class Optimizers:
         site = user_site(sys._getframe(1))
         with session.own_work():
             world = session.world()
-            training = (made[0], groups_made(made[0], items, made[1], made[2])) if made else None
+            training = (made[0], groups_made(items, made[1])) if made else None
             mapping = replaced_parameters(
                 todo, lambda m: models.wrap(m, world, session.options, move=False, training=training)
             )

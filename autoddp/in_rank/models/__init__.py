@@ -19,6 +19,7 @@ from autoddp.core import _class_swap, _compat
 from autoddp.core.environment import hardware
 from autoddp.core.errors import ConfigurationError
 from autoddp.core.memory.optimizers import groups_of
+from autoddp.core.memory.sizes import parse_bytes
 from autoddp.core.state import CURRENT, RunOptions, World
 from autoddp.in_rank.models import _plan, _rebind, ddp, fsdp
 from autoddp.in_rank.models._at_call import DRAWN_APART
@@ -39,6 +40,7 @@ __all__ = [
     "STRATEGIES",
     "check_options",
     "check_available",
+    "check_device_memory",
     "wrap",
     "rebind_optimizers",
     "distributed",
@@ -108,6 +110,20 @@ def check_options(
             f"fsdp_blocks={fsdp_blocks!r}: give a tuple of module classes or class names, "
             "e.g. fsdp_blocks=(TransformerBlock,) or fsdp_blocks=('TransformerBlock',)"
         )
+
+
+def check_device_memory(value: Any, strategy: str) -> int:
+    """``device_memory=`` in bytes, checked: a size above 0, for ``strategy="auto"`` (the only one
+    that weighs it); ConfigurationError naming the fix otherwise."""
+    size = parse_bytes(value, name="device_memory")
+    if size <= 0:
+        raise ConfigurationError(f"device_memory={value!r}: give the memory one process may use, above 0")
+    if strategy != _plan.AUTO:
+        raise ConfigurationError(
+            f"device_memory= is the budget strategy='auto' weighs, and strategy={strategy!r} weighs "
+            "nothing: leave device_memory out, or use strategy='auto'"
+        )
+    return size
 
 
 def check_available(strategy: str) -> None:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from autoddp.core import _variables, _warn
+from autoddp.core import _compat, _variables, _warn
 from autoddp.core.errors import MemoryPlanError
 from autoddp.core.memory import budget as budget_
 from autoddp.core.memory import estimate
@@ -56,21 +56,27 @@ def resolve(
     all-reduce). The reason is kept for the notice (``note``)."""
     if options.strategy != AUTO:
         return options
-    forced = _forced(module, world, options)
-    if forced is not None:
-        return dataclasses.replace(options, strategy=forced)
+    planned = CURRENT.planned
+    if planned is None:
+        planned = CURRENT.planned = Planned()
     from autoddp.in_rank.models import fsdp
 
-    allowed = ["ddp"]
-    if _fsdp_here(fsdp, world):
-        allowed += ["fsdp"] + ([] if world.device == "cpu" else ["fsdp with CPU offload"])
-    units = fsdp.units(module) if len(allowed) > 1 else None
-    needs = {name: _need(module, name, world.world_size, units, training) for name in allowed}
-    planned = CURRENT.planned
-    left = (planned.budget - planned.placed) if planned is not None else _budget(world, options)
-    left, needs = _agreed(world, left, needs)
-    if planned is None:
-        planned = CURRENT.planned = Planned(budget=left, ladder=tuple(allowed))
+    fsdp_here = _fsdp_here(fsdp, world)
+    forced = _forced(module, world, options, training, fsdp if fsdp_here else None)
+    if forced is not None:
+        strategy, why = forced
+        planned.sharded = planned.sharded or strategy == "fsdp"
+        if why:
+            _keep_note(planned, module, f"auto: {strategy.upper()}, {why}")
+        return dataclasses.replace(options, strategy=strategy)
+    allowed = ["ddp"] + (["fsdp"] if fsdp_here else [])
+    allowed += ["fsdp with CPU offload"] if fsdp_here and world.device != "cpu" else []
+    units = fsdp.units(module) if fsdp_here else None
+    needs, notes = _needs(module, allowed, world.world_size, units, training)
+    left = planned.budget - planned.placed if planned.budget is not None else _budget(world, options)
+    left, needs = _agreed(world, max(left, 0), needs)
+    if planned.budget is None:
+        planned.budget, planned.ladder = left, tuple(allowed)
     floor = os.environ.get(_variables.PLAN_FLOOR)  # (set by the launcher: a restart for memory)
     above = allowed[allowed.index(floor) :] if floor in allowed else allowed
     choice = budget_.choose(needs, left, above)
@@ -78,20 +84,28 @@ def resolve(
     planned.sharded = planned.sharded or choice.strategy == "fsdp"
     planned.taken.append(choice.name)
     restarted = f" (restarted at {floor}: the last run ran out of memory)" if floor in allowed else ""
-    later = (
-        "the first step's peak is weighed too"
-        if world.device.startswith("cuda")
-        else "activations not counted"
-    )
-    planned.notes[module] = f"auto{restarted}: {choice.describe()}; {later}"
+    _keep_note(planned, module, f"auto{restarted}: {choice.describe()}{notes}")
     if not choice.fits:
         _warn.warn(
-            f"{type(module).__name__}'s state needs {format_bytes(needs[choice.name])} per process under "
-            f"its smallest plan ({choice.name}), more than the {format_bytes(left)} this process may use "
-            "(device_memory): it may run out of memory. Start more processes, or pass a larger "
-            "device_memory= (--device-memory) if the device has more to give"
+            f"{_name(module)}'s state needs {format_bytes(needs[choice.name])} per process under the "
+            f"plan that needs the fewest bytes ({choice.name}), more than the {format_bytes(left)} this "
+            "process may use (device_memory): it may run out of memory. Start more processes, or pass "
+            "a larger device_memory= (--device-memory) if the device has more to give"
         )
     return dataclasses.replace(options, strategy=choice.strategy, cpu_offload=choice.cpu_offload)
+
+
+def _keep_note(planned: Planned, module: torch.nn.Module, said: str) -> None:
+    """``said`` for the notice, under the model (and the module a ``torch.compile`` result holds)."""
+    planned.notes[module] = said
+    compiled = _compat.compiled_parts(module)
+    if compiled is not None:
+        planned.notes[compiled[0]] = said
+
+
+def _name(module: torch.nn.Module) -> str:
+    compiled = _compat.compiled_parts(module)
+    return type(compiled[0] if compiled is not None else module).__name__
 
 
 @contextlib.contextmanager
@@ -150,14 +164,13 @@ def _first_line(error: BaseException) -> str:
 
 
 def _out_of_memory(planned: Planned, what: str) -> MemoryPlanError:
-    rank = CURRENT.world.rank if CURRENT.world is not None else 0
     highest = max(planned.ladder.index(name) for name in planned.taken)
     restarted = os.environ.get(_variables.PLAN_FLOOR) in planned.ladder
     following = planned.ladder[highest + 1 :]
     next_plan = following[0] if following and not restarted else None
     plan = planned.ladder[highest]
     said = (
-        f"rank {rank} ran out of memory under the plan strategy='auto' took ({plan}; "
+        f"ran out of memory under the plan strategy='auto' took ({plan}; "
         f"{format_bytes(planned.placed)} of state per process, {format_bytes(planned.budget)} "
         f"allowed): {what}"
     )
@@ -167,10 +180,12 @@ def _out_of_memory(planned: Planned, what: str) -> MemoryPlanError:
         return MemoryPlanError(
             f"{said}; the next plan is {next_plan} ({forced} takes it)", plan=plan, next_plan=next_plan
         )
-    why = "after a restart for memory already" if restarted else "and no larger plan is left"
+    why = "after a restart for memory already" if restarted else "and no larger plan is left here"
+    fix = "start more processes or train on smaller batches"
+    if planned.ladder[-1] != plan:  # (restarted at a plan short of the last: force the last)
+        fix += ", or force the plan that shards most (strategy='fsdp', cpu_offload=True)"
     return MemoryPlanError(
-        f"{said}, {why}: start more processes, train on smaller batches, or pass a smaller "
-        "device_memory= (--device-memory) so that autoddp shards sooner",
+        f"{said}, {why}: {fix}",
         plan=plan,
         next_plan=None,
     )
@@ -183,18 +198,53 @@ def note(module: torch.nn.Module) -> str:
     return f"; {said}" if said else ""
 
 
-def _forced(module: torch.nn.Module, world: World, options: RunOptions) -> str | None:
-    """The strategy taken without weighing (module docstring), or None."""
+def _forced(
+    module: torch.nn.Module, world: World, options: RunOptions, training: Training | None, fsdp: Any
+) -> tuple[str, str | None] | None:
+    """The strategy taken without weighing and why (None: nothing to say), or None to weigh
+    (module docstring). ``fsdp``: the FSDP strategy, where this torch has FSDP2 for the device."""
     if options.fsdp_blocks or options.mixed_precision is not None or options.cpu_offload:
-        return "fsdp"
-    if world.world_size == 1 or options.split_batches:
-        return "ddp"
+        return "fsdp", "as FSDP's options (fsdp_blocks, mixed_precision, cpu_offload) ask"
+    if world.world_size == 1:
+        return "ddp", None
+    if options.split_batches:
+        return "ddp", "as split_batches needs"
     params = list(module.parameters())
     if not any(p.requires_grad for p in params):
-        return "ddp"
-    if any(torch.nn.parameter.is_lazy(p) for p in params):  # sizes known at the first forward
-        return "ddp"
+        return "ddp", None
+    if any(torch.nn.parameter.is_lazy(p) for p in params):
+        return "ddp", "not weighed: lazy parameters have their sizes only at the first forward"
+    if fsdp is None:
+        return None
+    if _compat.compiled_parts(module) is not None:
+        return "ddp", (
+            "not weighed: a torch.compile result sharded before its first call trains to other "
+            "weights than one process; make the optimizer before torch.compile (nanoGPT's order) "
+            "to have autoddp weigh it"
+        )
+    if training is not None and issubclass(training[0], torch.optim.LBFGS):
+        return "ddp", "not weighed: LBFGS's flat views of the parameters cannot be sharded"
+    if _shared_across_units(module, fsdp.units(module)):
+        return "ddp", "not weighed: a parameter shared by two of its blocks cannot be sharded by FSDP2"
     return None
+
+
+def _shared_across_units(module: torch.nn.Module, units: Sequence[torch.nn.Module]) -> bool:
+    """Whether a parameter belongs to two of the groups FSDP2 would make: each unit's own, the root's."""
+    unit_ids = {id(unit) for unit in units}
+    groups: dict[int, set[int]] = {}
+
+    def walk(sub: torch.nn.Module, group: int) -> None:
+        group = id(sub) if id(sub) in unit_ids else group
+        for param in sub._parameters.values():
+            if param is not None:
+                groups.setdefault(id(param), set()).add(group)
+        for child in sub._modules.values():
+            if child is not None:
+                walk(child, group)
+
+    walk(module, id(module))
+    return any(len(owners) > 1 for owners in groups.values())
 
 
 def _fsdp_here(fsdp: Any, world: World) -> bool:
@@ -205,21 +255,28 @@ def _fsdp_here(fsdp: Any, world: World) -> bool:
     return True
 
 
-def _need(module: torch.nn.Module, name: str, processes: int, units: Any, training: Training | None) -> int:
-    """Bytes one process holds of ``module``'s state under the plan ``name``."""
-    plan = "ddp" if name == "ddp" else "fsdp"
+def _needs(
+    module: torch.nn.Module, plans: Sequence[str], processes: int, units: Any, training: Training | None
+) -> tuple[dict[str, int], str]:
+    """Bytes one process holds of ``module``'s state under each plan, and the estimate's notes
+    ("; ..." for the notice: an optimizer whose state was taken by rule)."""
     from autoddp.in_rank.models import ddp
 
     bucket_view = bool(ddp.DEFAULTS.get("gradient_as_bucket_view", False))
-    return estimate.state_only(
-        module,
-        optimizer=training,
-        plan=plan,
-        processes=processes,
-        units=units,
-        bucket_view=bucket_view,
-        offload=name.endswith("offload"),
-    ).total
+    needs, notes = {}, set()
+    for name in plans:
+        weighed = estimate.state_only(
+            module,
+            optimizer=training,
+            plan="ddp" if name == "ddp" else "fsdp",
+            processes=processes,
+            units=units,
+            bucket_view=bucket_view,
+            offload=name.endswith("offload"),
+        )
+        needs[name] = weighed.total
+        notes.update(weighed.notes)
+    return needs, "".join(f"; {note}" for note in sorted(notes))
 
 
 def _budget(world: World, options: RunOptions) -> int:
@@ -239,7 +296,10 @@ def _agreed(world: World, left: int, needs: dict[str, int]) -> tuple[int, dict[s
     """The least budget and the largest needs over every rank (one all-reduce of a few integers)."""
     import torch.distributed as dist
 
-    values = torch.tensor([left, *(-need for need in needs.values())], dtype=torch.int64)
+    most = 2**62  # (the tensor's int64; no device holds more)
+    values = torch.tensor(
+        [min(left, most), *(-min(need, most) for need in needs.values())], dtype=torch.int64
+    )
     if dist.is_available() and dist.is_initialized() and world.world_size > 1:
         device = world.device if world.device.startswith("cuda") else "cpu"
         values = values.to(device)

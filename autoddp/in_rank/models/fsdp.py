@@ -151,6 +151,13 @@ def wrap(module: torch.nn.Module, world: World, options: RunOptions, *, move: bo
 
 def _wrap_model(module: torch.nn.Module, world: World, options: RunOptions, *, move: bool) -> torch.nn.Module:
     fsdp = fsdp_api(torch.device(world.device).type)
+    if _compat.compiled_parts(module) is not None and not isinstance(module, fsdp.FSDPModule):
+        raise ConfigurationError(
+            "strategy='fsdp' and a torch.compile result made before its optimizer: sharded inside "
+            "its compiled wrapper, the model trains to other weights than one process (torch 2.13, "
+            "from the second step). Make the optimizer first and compile after it (model = "
+            "torch.compile(model) after opt = ..., nanoGPT's order), or use strategy='ddp'"
+        )
     module = _class_swap.unwrap_compiled(module)
     if isinstance(module, fsdp.FSDPModule):
         return module
