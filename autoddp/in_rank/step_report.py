@@ -37,7 +37,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DataLoader
 
-from autoddp.core import _patches, _variables
+from autoddp.core import _backward, _patches, _variables
 from autoddp.core._compat import timing
 from autoddp.core.state import World
 from autoddp.in_rank.hang.marks import MARKS
@@ -94,9 +94,9 @@ class StepClock:
             patches = [
                 (iterators, "__next__", self._next),
                 (DataLoader, "__iter__", self._iter),
-                (torch.autograd, "backward", self._backward),
             ]
             self.patches.install(_patches.wrapping(owner, name, make) for owner, name, make in patches)
+            _backward.CALLS.add(self, listening=False)  # (called in the sampled steps: ``_stepped``)
             self.handle = register_optimizer_step_post_hook(self._stepped)
             yield
         finally:
@@ -108,6 +108,7 @@ class StepClock:
 
     def _uninstall(self) -> None:
         self.write()
+        _backward.CALLS.remove(self)
         self.patches.restore()
         if self.handle is not None:
             self.handle.remove()
@@ -160,19 +161,15 @@ class StepClock:
 
         return __iter__
 
-    def _backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        clock, get_ident, compiling = self, threading.get_ident, torch.compiler.is_compiling
+    def before(self, args: tuple, kwargs: dict, thread: int) -> Any:
+        """A ``backward()`` begins (``core._backward``'s watcher): in a sampled step, timed to its end."""
+        if not self.sampling or thread != self.thread:
+            return _backward.SKIP
+        self._watch(args[0] if args else kwargs.get("tensors"))
+        return True
 
-        def backward(*args: Any, **kwargs: Any) -> Any:
-            if not clock.sampling or get_ident() != clock.thread or compiling():
-                return original(*args, **kwargs)
-            clock._watch(args[0] if args else kwargs.get("tensors"))
-            try:
-                return original(*args, **kwargs)
-            finally:
-                clock._returned()
-
-        return backward
+    def after(self, token: Any, args: tuple, kwargs: dict, raised: bool) -> None:
+        self._returned()
 
     def _watch(self, tensors: Any) -> None:
         """Hook the first node of the backward pass about to run (it runs first in the pass)."""
@@ -227,8 +224,11 @@ class StepClock:
             waited = self.marked + self.tails / max(self.tail_steps, 1) * totals[0]  # (an estimate)
             totals[3] = max(min(waited, totals[1] - totals[2]), 0.0)
             totals[4] += self.samples
-        self.sampling = now - self.sampled_at >= SAMPLE_SECONDS
-        if self.sampling:  # (the record too: the launcher reads it at most this late while it runs)
+        sampling = now - self.sampled_at >= SAMPLE_SECONDS
+        if sampling is not self.sampling:
+            self.sampling = sampling
+            _backward.CALLS.listen(self, sampling)
+        if sampling:  # (the record too: the launcher reads it at most this late while it runs)
             self.sampled_at = now
             self.write()
         self.last, self.marks_at = now, marks

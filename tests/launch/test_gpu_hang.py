@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from test_hang import Run, line_of
 
+from autoddp.core import _backward
 from autoddp.in_rank.hang import marks as hang_marks
 from autoddp.in_rank.hang import pending, record
 from autoddp.launch.hang import verdict
@@ -199,7 +200,9 @@ def test_on_cuda_a_sync_collective_and_ddps_backward_wait_until_their_stream_eve
     marks.pending.writer, marks.pending.cuda = writer, True
     on_gpu = types.SimpleNamespace(is_cuda=True)  # a CUDA tensor, as far as the marks look
     all_reduce = marks._collective(record.NAMES.index("all_reduce"), lambda tensor: None)
-    backward = marks._backward(lambda tensors: None)
+    calls = _backward.BackwardCalls()  # (the one wrapper of torch.autograd.backward, marks watching)
+    calls.watchers = (marks,)
+    backward = calls._wrap(lambda tensors: None)
     all_reduce(on_gpu)  # returned at once, as NCCL's all_reduce does once queued
     backward(on_gpu)  # as DDP's backward() returns with its all-reduce queued
     assert FakeEvent.recorded == 2 and len(marks.pending.tokens) == 2

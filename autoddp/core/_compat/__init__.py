@@ -11,7 +11,9 @@ from __future__ import annotations
 import atexit
 import functools
 import importlib
+import operator
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -139,9 +141,15 @@ def loader_iterator(loader: torch.utils.data.DataLoader) -> Any:
     return _need(loader, "_iterator", "to tell whether a DataLoader's persistent workers started")
 
 
-def version(tensor: torch.Tensor) -> int:
-    """A tensor's version counter: it moves with every in-place change (a gradient accumulating)."""
+def _version(tensor: torch.Tensor) -> int:
     return int(_need(tensor, "_version", "to tell whether a backward changed a gradient"))
+
+
+#: ``version(tensor)``: a tensor's version counter, which moves with every in-place change (a
+#: gradient accumulating). Read on a step's path: torch's C getter itself where torch has it.
+version: Callable[[torch.Tensor], int] = (
+    operator.attrgetter("_version") if hasattr(torch._C.TensorBase, "_version") else _version
+)
 
 
 def set_iterator_order(iterator: Any, index_sampler: Any) -> None:

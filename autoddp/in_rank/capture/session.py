@@ -15,7 +15,7 @@ patches it installs and removes around that code only:
 - ``multiprocessing``'s ``Process.start`` and ``join``: training in processes the user's code
   starts itself is said, as not distributed (``children``);
 - ``DistributedDataParallel.__init__``: a user's own DDP takes over from autoddp's (never two);
-- ``torch.autograd.backward`` (its first call; each, and ``grad``, counted for ``models.counted``)
+- ``torch.autograd.backward`` (its first call; each, and ``grad``, counted for ``models._reduction``)
   and every optimizer step (global step hook): what could not be distributed is said
   (``steps``, ``_undistributed``);
 - in a script, ``init_process_group``: the user's own group turns capture off, one called after

@@ -1,11 +1,12 @@
 """Capture's training-step hooks: ``backward``, ``grad``, every optimizer step and DDP's ``__init__``,
 and what reads gradients before a step (``clip_grad_norm_``, ``GradScaler.unscale_``).
 
-The first ``backward()`` checks the loss and, with no optimizer made yet, which models it trains
-by hand; each ``backward()`` and ``grad()`` is counted (``models.counted``); a step says what could
-not be distributed (``_undistributed``); a user's own ``DistributedDataParallel`` takes over from
-autoddp's, so that a model is never wrapped twice, and counts as a model in training for the
-passes of the loaders (a framework's: Lightning's strategy wraps the module it trains itself).
+The first ``backward()`` checks the loss and, with no optimizer made yet, which models it trains by
+hand; each ``backward()`` and ``grad()`` is counted (``models.Counting``, ``models.counted``); a
+step says what could not be distributed (``_undistributed``); a user's own
+``DistributedDataParallel`` takes over from autoddp's, so that a model is never wrapped twice, and
+counts as a model in training for the passes of the loaders (a framework's: Lightning's strategy
+wraps the module it trains itself).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from autoddp.core import _patches
+from autoddp.core import _backward, _patches
 from autoddp.core.state import CURRENT
 from autoddp.in_rank import models
 from autoddp.in_rank.capture._notice import where
@@ -38,6 +39,10 @@ _GRADIENT_READERS = (
 )
 
 
+#: ``Steps.before``'s token for a backward whose loss split_batches shows whole afterwards.
+_SPLIT = "split"
+
+
 class Steps:
     """The training-step hooks of one capture session (its patches and its global step hook)."""
 
@@ -48,6 +53,7 @@ class Steps:
         self._handles: list[Any] = []
         self.own_ddp: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # the user's own DDP models
         self.accumulation_said = False
+        self._counting = models.Counting()  # (each backward() counted, for the averaging guard)
 
     def install(self) -> None:
         if not self.session.script or _bound_by_name(torch.autograd.backward, torch.autograd.grad):
@@ -57,17 +63,20 @@ class Steps:
             CURRENT.retained = True
         patches = [
             (torch.nn.parallel.DistributedDataParallel, "__init__", self._ddp_init),
-            (torch.autograd, "backward", lambda original: self._backward(models.counted(original))),
             (torch.autograd, "grad", lambda original: models.counted(original, accumulates=False)),
             *((owner, name, self._reading) for owner, name in _GRADIENT_READERS if hasattr(owner, name)),
         ]
         self._patches.install(_patches.wrapping(owner, name, make) for owner, name, make in patches)
+        _backward.CALLS.add(self._counting)  # (inside capture's own watcher, as the wrappers nested)
+        _backward.CALLS.add(self)
 
     def install_step_hook(self) -> None:
         """Every optimizer step, from here on (a global hook: installed after every patch)."""
         self._handles.append(register_optimizer_step_pre_hook(self._before_step))
 
     def uninstall(self) -> None:
+        _backward.CALLS.remove(self)
+        _backward.CALLS.remove(self._counting)
         self._patches.restore()
 
     def remove_step_hook(self) -> None:
@@ -75,34 +84,40 @@ class Steps:
             handle.remove()
         self._handles = []
 
-    def _backward(self, original: Any) -> Any:
+    # --- each backward(), a watcher of ``core._backward`` ------------------------------------------
+
+    def before(self, args: tuple, kwargs: dict, thread: int) -> Any:
+        """The first backward checks the loss and the models; with split_batches each one says the
+        loss of the global batch afterwards (``after``)."""
         session = self.session
+        if session.busy:
+            return _backward.SKIP
+        if not session.undistributed.backward_checked:
+            return self._first_backward(sys._getframe(2), args, kwargs)  # (2: the caller of backward)
+        return _SPLIT if session.options.split_batches else _backward.SKIP
 
-        def backward(*args: Any, **kwargs: Any) -> Any:
-            if session.busy:
-                return original(*args, **kwargs)
-            if session.undistributed.backward_checked:
-                result = original(*args, **kwargs)
-            else:
-                result = self._first_backward(original, sys._getframe(1), args, kwargs)
-            if session.options.split_batches:  # loss.item() then prints the global batch's loss
-                models.show_split_loss_whole(args[0] if args else kwargs.get("tensors"))
-            return result
+    def after(self, token: Any, args: tuple, kwargs: dict, raised: bool) -> None:
+        if raised:
+            return
+        session = self.session
+        if token is not _SPLIT:  # the first backward, no optimizer made yet: what did it train?
+            frame, roots, before = token
+            wrapped, site = bool(CURRENT.wrapped_models()), user_site(frame)
+            session.undistributed.after_first_backward(session.notice, roots, before, site, wrapped)
+        if session.options.split_batches:  # loss.item() then prints the global batch's loss
+            models.show_split_loss_whole(args[0] if args else kwargs.get("tensors"))
 
-        return backward
-
-    def _first_backward(self, original: Any, frame: Any, args: Any, kwargs: Any) -> Any:
-        """With no optimizer made yet, which models does the first backward train by hand?"""
+    def _first_backward(self, frame: Any, args: tuple, kwargs: dict) -> Any:
+        """With no optimizer made yet, which models does the first backward train by hand? (What
+        ``after`` needs to tell: the models and their gradients' versions before it.)"""
         session = self.session
         session.undistributed.backward_checked = True
+        _backward.CALLS.listen(self, session.options.split_batches)  # (later ones: only for that)
         models.check_loss(args[0] if args else kwargs.get("tensors"), session.options.split_batches)
         if session.optimizers.made:
-            return original(*args, **kwargs)
+            return _SPLIT if session.options.split_batches else _backward.SKIP
         roots = candidate_roots(session.registry, frame, CURRENT.wrapped_models())
-        before, result = grad_versions(roots), original(*args, **kwargs)
-        wrapped = bool(CURRENT.wrapped_models())
-        session.undistributed.after_first_backward(session.notice, roots, before, user_site(frame), wrapped)
-        return result
+        return frame, roots, grad_versions(roots)
 
     def _reading(self, original: Any) -> Any:
         """A function that reads gradients before ``step()``: gradients still local averaged first."""

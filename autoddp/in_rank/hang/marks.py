@@ -4,11 +4,12 @@ While the user's code runs in a worker that an autoddp launcher watches (``AUTOD
 set, a world of several processes), ``marking`` replaces torch.distributed's collectives and the
 functional ones DTensor (so FSDP2's state dicts and whole reads) gathers through, wherever a
 loaded ``torch.distributed`` module binds them (``_compat.collectives.sites``, as ``rank0()``'s
-refusals do), and ``torch.autograd.backward`` with thin wrappers. A functional collective returns
+refusals do), with thin wrappers, and watches ``torch.autograd.backward`` (a watcher of
+``core._backward``'s one wrapper). A functional collective returns
 at once and waits in ``wait_tensor``: that wait is marked under the name of the last one issued.
 On entry a wrapper writes "in all_reduce since t" into the record (a memory write into a mapped
 file), on exit "outside since t": about a microsecond per call, on the collectives only. DDP's
-gradient all-reduce runs in C++ inside ``backward()``; the backward wrapper marks it once a
+gradient all-reduce runs in C++ inside ``backward()``; the backward watcher marks it once a
 DistributedDataParallel exists in the process. A call that returns before its collective completes
 (a work object; on CUDA tensors, NCCL's queued collectives and DDP's backward) leaves a token to
 ``pending``, whose thread keeps "in all_reduce since t" in the record until the collective
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autoddp.core import _compat, _patches, _variables
+from autoddp.core import _backward, _compat, _patches, _variables
 from autoddp.core._compat import collectives
 from autoddp.core.state import World
 from autoddp.in_rank.hang import pending, record
@@ -47,6 +48,7 @@ _BACKWARD = record.NAMES.index("backward")
 #: Marked beside the collectives: they wait for every rank too.
 _OTHERS = ("init_process_group", "new_group")
 _AT = record.STATE_OFFSET
+_pack, _monotonic = record.STATE.pack_into, time.monotonic
 #: The kinds counted as waiting for the other ranks (DDP's backward is timed by the step report itself).
 _WAITING = (record.COLLECTIVE, record.WAITS_FOR_RANK0)
 
@@ -153,13 +155,14 @@ class Marks:
         funcol = collectives.functional()
         wait = vars(funcol)[collectives.FUNCTIONAL_WAIT]
         patches.append(self._wrapper(funcol, collectives.FUNCTIONAL_WAIT, wait, self._functional_wait))
-        patches.append(self._wrapper(torch.autograd, "backward", torch.autograd.backward, self._backward))
         ddp = torch.nn.parallel.DistributedDataParallel
         patches.append(self._wrapper(ddp, "__init__", ddp.__init__, self._ddp_init))
         self.patches.install(patches)
+        _backward.CALLS.add(self, listening=bool(self.flags & record.HAS_DDP))  # (``_ddp_init``)
 
     def unpatch(self) -> None:
         """The originals back, where a wrapper of ours is still in place (``_patches``' rule)."""
+        _backward.CALLS.remove(self)
         self.patches.restore()
 
     def _wrapper(self, owner: Any, name: str, original: Any, make: Callable[[Any], Any]) -> tuple:
@@ -170,11 +173,12 @@ class Marks:
     # --- the record ---------------------------------------------------------------------------
 
     def _write(self, kind: int, name: int) -> None:
-        now = time.monotonic()
+        now = _monotonic()
         if self.kind in _WAITING:  # a wait for the others ends
             self.waited += now - self.since
-        self.kind, self.sequence, self.since = kind, self.sequence + 1, now
-        record.STATE.pack_into(self.map, _AT, self.sequence, self.flags, kind, name, now)
+        sequence = self.sequence + 1
+        self.kind, self.sequence, self.since = kind, sequence, now
+        _pack(self.map, _AT, sequence, self.flags, kind, name, now)
 
     def mark(self, kind: int, site: str) -> bool:
         """Mark a rank0() block (``record.WAITS_FOR_RANK0`` or ``RUNS_RANK0`` at ``site``).
@@ -253,29 +257,20 @@ class Marks:
 
         return wait_tensor
 
-    def _backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        marks, get_ident, compiling, waits = (
-            self,
-            threading.get_ident,
-            torch.compiler.is_compiling,
-            self.pending,
-        )
+    def before(self, args: tuple, kwargs: dict, thread: int) -> Any:
+        """A ``backward()`` begins (``core._backward``'s watcher): marked once a DDP exists."""
+        if self.kind or not self.flags & record.HAS_DDP or thread != self.thread:
+            return _backward.SKIP
+        # ``_write(record.BACKWARD, _BACKWARD)`` inline (the path of every step; outside, no wait ends)
+        now, sequence = _monotonic(), self.sequence + 1
+        self.kind, self.sequence, self.since = record.BACKWARD, sequence, now
+        _pack(self.map, _AT, sequence, self.flags, record.BACKWARD, _BACKWARD, now)
+        return now
 
-        @functools.wraps(original)
-        def backward(*args: Any, **kwargs: Any) -> Any:
-            if compiling() or marks.kind or not marks.flags & record.HAS_DDP or get_ident() != marks.thread:
-                return original(*args, **kwargs)
-            marks._write(record.BACKWARD, _BACKWARD)
-            since = marks.since
-            try:
-                result = original(*args, **kwargs)
-            finally:
-                marks._write(record.OUTSIDE, 0)
-            if waits.cuda:  # on NCCL DDP's all-reduce completes on the GPU after backward() returns
-                waits.after_cuda(_BACKWARD, since, args, kwargs)
-            return result
-
-        return backward
+    def after(self, since: float, args: tuple, kwargs: dict, raised: bool) -> None:
+        self._write(record.OUTSIDE, 0)
+        if not raised and self.pending.cuda:  # on NCCL DDP's all-reduce completes on the GPU later
+            self.pending.after_cuda(_BACKWARD, since, args, kwargs)
 
     def _ddp_init(self, original: Callable[..., Any]) -> Callable[..., Any]:
         marks = self
@@ -285,6 +280,7 @@ class Marks:
             original(ddp, *args, **kwargs)
             if marks.map is not None and not marks.flags & record.HAS_DDP:
                 marks.flags |= record.HAS_DDP  # written with the next entry or exit
+                _backward.CALLS.listen(marks, True)  # (each backward() marked from now on)
 
         return __init__
 

@@ -51,13 +51,13 @@ class _Guard:
                 self.seen.append((replica.forwards, replica.bypasses))
 
     def __call__(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
-        if _reduction.stepping_in_backward():  # a step from a hook: DDP has not averaged yet
+        if CURRENT.backward_kind == _reduction.BACKWARD:  # a step from a hook: DDP has not averaged yet
             params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
             if _average(params) and self.models:
                 self._say(self.models[0], "in backward", _in_backward())
             return None
-        closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
-        if not callable(closure):
+        closure = kwargs["closure"] if kwargs and "closure" in kwargs else args[1] if len(args) > 1 else None
+        if closure is None or not callable(closure):
             self.check()
             return None
         made = functools.partial(self._closure, closure)  # (the gradients come from each call)
@@ -67,21 +67,39 @@ class _Guard:
 
     def check(self) -> None:
         """Average the gradients of each model whose ``.grad`` DDP did not (wholly) average."""
+        seen = self.seen
         for index, model in enumerate(self.models):
             replica = model.__dict__.get(_routing.REPLICA_ATTR)
             if replica is None:
                 continue
-            forwards, bypasses = self.seen[index]
-            unseen = replica.forwards == forwards
-            unreduced = replica.reduction.take()  # (taken by the first optimizer: it averages all)
-            if unseen or unreduced or replica.bypasses != bypasses:
-                params = [p for p in model.parameters() if p.requires_grad]
-                reason = "unseen" if unseen else unreduced or "beside"
-                if _average(params) and reason not in _reduction.SILENT:  # (a window guessed wrong: silent)
-                    self._say(model, reason, _WORDS[reason](type(model).__name__))
-            if replica.window is not None:
-                replica.window.stepped(replica.forwards)
-            self.seen[index] = (replica.forwards, replica.bypasses)
+            forwards, bypasses = seen[index]
+            ledger = replica.reduction
+            now = replica.forwards
+            if (
+                now != forwards
+                and ledger.unreduced is None
+                and replica.bypasses == bypasses
+                and not (ledger.blind and CURRENT.retained)
+            ):  # the usual step, DDP averaged all of it: ``_check``'s outcome without its work
+                ledger.blind = False  # (``ledger.take()``, which finds nothing)
+                if replica.window is not None:
+                    replica.window.stepped(now)
+                seen[index] = (now, bypasses)
+            else:
+                self._check(index, model, replica, forwards, bypasses)
+
+    def _check(self, index: int, model: torch.nn.Module, replica: Any, forwards: int, bypasses: int) -> None:
+        """``check`` of one model whose gradients DDP may not have (wholly) averaged."""
+        unseen = replica.forwards == forwards
+        unreduced = replica.reduction.take()  # (taken by the first optimizer: it averages all)
+        if unseen or unreduced or replica.bypasses != bypasses:
+            params = [p for p in model.parameters() if p.requires_grad]
+            reason = "unseen" if unseen else unreduced or "beside"
+            if _average(params) and reason not in _reduction.SILENT:  # (a window guessed wrong: silent)
+                self._say(model, reason, _WORDS[reason](type(model).__name__))
+        if replica.window is not None:
+            replica.window.stepped(replica.forwards)
+        self.seen[index] = (replica.forwards, replica.bypasses)
 
     def _closure(self, closure: Callable[[], Any]) -> Any:
         """``step(closure)``'s closure: its gradients checked, its loss the mean over the processes.

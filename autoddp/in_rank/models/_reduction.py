@@ -3,13 +3,14 @@
 DDP averages the gradients of one backward pass after each forward through it (the first one that
 accumulates into ``.grad``). Gradients that reach ``.grad`` otherwise are this process's own: a
 second backward through the same forward (``retain_graph=True``), or ``torch.autograd.grad``'s
-results assigned to ``.grad`` by hand. Capture counts ``torch.autograd.backward`` and ``grad``
-calls (``counted``, in ``CURRENT``); a forward through a guarded model's DDP hooks its outputs
-(``Ledger.forwarded``), so that a pass reaching them tells whether DDP averages it; the guard
-(``_averaging``) averages at ``step()`` when one did not, or when a step runs inside a backward
-pass (before DDP's all-reduce has finished). A backward through forwards that deferred their
-synchronisation (gradient accumulation, ``_window``; the user's own ``no_sync``) leaves gradients
-to be averaged by a later synchronised backward, else by the guard (``DEFERRED``).
+results assigned to ``.grad`` by hand. Capture counts ``torch.autograd.backward`` calls (a
+``Counting`` watcher of ``core._backward``) and ``grad`` calls (``counted``), in ``CURRENT``; a
+forward through a guarded model's DDP hooks its outputs (``Ledger.forwarded``), so that a pass
+reaching them tells whether DDP averages it; the guard (``_averaging``) averages at ``step()`` when
+one did not, or when a step runs inside a backward pass (before DDP's all-reduce has finished). A
+backward through forwards that deferred their synchronisation (gradient accumulation, ``_window``;
+the user's own ``no_sync``) leaves gradients to be averaged by a later synchronised backward, else
+by the guard (``DEFERRED``).
 
 The hooks cost a step tens of µs, and most steps need none: a second backward through a forward
 needs the first to have kept the graph. So until a backward keeps its graph (``retain_graph``,
@@ -57,6 +58,25 @@ def counted(original: Callable[..., Any], accumulates: bool = True) -> Callable[
             CURRENT.backward_kind = previous
 
     return call
+
+
+class Counting:
+    """Each ``torch.autograd.backward`` said in ``CURRENT`` while it runs (``counted``'s, for the one
+    wrapper of ``core._backward``: no frame of its own on a step's path)."""
+
+    def before(self, args: tuple, kwargs: dict, thread: int) -> str | None:
+        current = CURRENT
+        previous = current.backward_kind
+        if not current.retained and (any(args[2:4]) or "retain_graph" in kwargs or "create_graph" in kwargs):
+            # (a later backward may go through the forwards this one reaches; ``Tensor.backward``
+            # passes both flags by position: looked at cheaply first, the path of every step)
+            current.retained = _keeps_graph(args, kwargs)
+        current.backwards += 1
+        current.backward_kind = BACKWARD
+        return previous
+
+    def after(self, previous: str | None, args: tuple, kwargs: dict, raised: bool) -> None:
+        CURRENT.backward_kind = previous
 
 
 def _keeps_graph(args: tuple, kwargs: dict) -> bool:

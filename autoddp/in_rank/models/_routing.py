@@ -54,6 +54,8 @@ class Replica(Protocol):
     reduction: Any
     #: Buffers the forward updates (running statistics), looked for in the first forwards.
     updated_buffers: Any
+    #: ``CURRENT.parameter_events`` up to which ``for_call`` has nothing to do (the DDP is current).
+    ready: int
 
     def for_call(
         self, module: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
@@ -89,28 +91,33 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         return plain.__call__(self, *args, **kwargs)
     if torch.compiler.is_compiling():  # traced: a torch.compile result made after the wrapping
         return torch.compiler.disable(_adopt_compile)(self, args, kwargs)
-    plain = getattr(type(self), _class_swap.PLAIN_CLASS)
     if replica is None or _ROUTING.inside or not torch.is_grad_enabled():
-        return plain.__call__(self, *args, **kwargs)
-    ddp = replica.for_call(self, args, kwargs)
+        return getattr(type(self), _class_swap.PLAIN_CLASS).__call__(self, *args, **kwargs)
+    current = CURRENT
+    if replica.ready == current.parameter_events:  # nothing changed since the DDP was found current
+        ddp = self.__dict__.get(DDP_ATTR)
+    else:
+        ddp = replica.for_call(self, args, kwargs)
     if ddp is None:
-        return plain.__call__(self, *args, **kwargs)
-    parts = _at_call.parts(replica, self, args, kwargs)
+        return getattr(type(self), _class_swap.PLAIN_CLASS).__call__(self, *args, **kwargs)
+    parts = None if current.sharded_data else _at_call.parts(replica, self, args, kwargs)
     if parts is not None:  # a batch drawn by hand: this rank's rows (``_at_call``)
         args, kwargs = _at_call.local_arguments(args, kwargs, parts)
     _ROUTING.inside = replica.inside = True
     _ROUTING.calls += 1
     replica.forwards += 1
     try:
-        if parts is None:
-            result, synced = _forward(replica, ddp, args, kwargs)
-        else:  # its own random numbers for its rows (dropout), the caller's streams left alike
+        if parts is not None:  # its own random numbers for its rows (dropout), the caller's alike
             with _at_call.own_noise(parts, replica.forwards):
                 result, synced = _forward(replica, ddp, args, kwargs)
+        elif replica.watched and replica.defers(ddp):  # (``_forward``, inline: every step's path)
+            result, synced = _deferred(ddp, args, kwargs), False
+        else:
+            result, synced = ddp(*args, **kwargs), ddp.require_backward_grad_sync
         if replica.watched:  # an optimizer's guard reads which backward passes DDP averaged
             replica.reduction.forwarded(result, synced)
-        if CURRENT.split_weight is not None:  # split_batches: this rank's part weighs its share
-            _split.weigh(result, CURRENT.split_weight)
+        if current.split_weight is not None:  # split_batches: this rank's part weighs its share
+            _split.weigh(result, current.split_weight)
         if parts is not None:
             result = _at_call.whole(result, parts)
         return result

@@ -101,6 +101,10 @@ class Replica:
         #: ``Splitting``, or the reason it cannot be (the whole batch then runs on every rank).
         self.at_call: Any = None
         self.inside = False  # while the DDP's forward runs
+        #: ``CURRENT.parameter_events`` when ``for_call`` last found nothing to do (the DDP built, the
+        #: weights synchronised, every parameter's changes counted by the events): while it still
+        #: holds, the routing takes the DDP without asking (``_routing._call``'s fast path).
+        self.ready = -2
         #: While ``build`` makes the DDP: capture's hook of ``DistributedDataParallel.__init__``
         #: must not take autoddp's own (re)build, inside the user's forward, for a DDP of the user's.
         self.building = False
@@ -117,6 +121,7 @@ class Replica:
     def build(self, module: torch.nn.Module) -> None:
         """(Re)build the DDP for the module's parameters as they are now (a collective)."""
         module.__dict__.pop(_routing.DDP_ATTR, None)  # the old DDP goes first: one reducer at a time
+        self.ready = -2  # (``for_call`` looks again)
         self.events = CURRENT.parameter_events  # (read first: a change from here on is looked at)
         params = list(module.parameters())
         self.signature = [(p, p.dtype, p.device, p.requires_grad) for p in params]
@@ -166,6 +171,8 @@ class Replica:
         elif not self.synced:
             _broadcast_from_rank0(module)
             self.synced = True
+        if not self.look_always:
+            self.ready = self.events  # (``_changed`` read the events: nothing changed since)
         return module.__dict__.get(_routing.DDP_ATTR)
 
     def _changed(self, module: torch.nn.Module) -> bool:
