@@ -236,12 +236,10 @@ def _shared_across_units(module: torch.nn.Module, units: Sequence[torch.nn.Modul
 
     def walk(sub: torch.nn.Module, group: int) -> None:
         group = id(sub) if id(sub) in unit_ids else group
-        for param in sub._parameters.values():
-            if param is not None:
-                groups.setdefault(id(param), set()).add(group)
-        for child in sub._modules.values():
-            if child is not None:
-                walk(child, group)
+        for param in sub.parameters(recurse=False):
+            groups.setdefault(id(param), set()).add(group)
+        for child in sub.children():
+            walk(child, group)
 
     walk(module, id(module))
     return any(len(owners) > 1 for owners in groups.values())
