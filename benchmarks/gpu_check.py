@@ -244,7 +244,7 @@ def auto_check(device: torch.device) -> tuple[bool | None, Any]:
             None,
             f"not available: the sharded state ({fsdp_need} B) is not below the replicated ({ddp_need} B)",
         )
-    budget = (fsdp_need + ddp_need) // 2  # DDP does not fit, FSDP with room for a step
+    budget = ddp_need - 1  # DDP does not fit by a byte; FSDP does, with room for a step
     with forced_world(device, RunOptions(capture=False, device_memory=budget)):
         prepared = autoddp.prepare(model)
         sharded = all(isinstance(p, DTensor) for p in prepared.parameters())

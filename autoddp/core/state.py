@@ -70,8 +70,11 @@ class Planned:
     taken: list[str] = dataclasses.field(default_factory=list)
     #: Whether a plan taken shards a model (checkpoints then load memory-mapped).
     sharded: bool = False
-    #: The hook that weighs the first optimizer step's peak on a GPU (``models._plan``; None: none).
+    #: The hook that weighs the first optimizer step's peak on a GPU (``models._plan``; None: none;
+    #: removed when the world ends).
     watch: Any = None
+    #: Whether that first step was weighed.
+    stepped: bool = False
     #: Why each model got its plan, for the notice (weakly: a model may go).
     notes: weakref.WeakKeyDictionary[Any, str] = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
 
@@ -178,6 +181,8 @@ class _InWorld:
     def __exit__(self, *exc_info: object) -> None:
         run = self._run
         assert self._previous is not None
+        if run.planned is not None and run.planned.watch is not None:  # (its optimizer-step hook)
+            run.planned.watch.remove()
         run.world, run.options, run.timeout, run.planned = self._previous
         run._wrapped.pop()
 

@@ -134,14 +134,14 @@ def measured_from_here(world: World) -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         check = functools.partial(_after_first_step, planned, world.device)
-        planned.watch = register_optimizer_step_post_hook(check)
+        planned.watch = register_optimizer_step_post_hook(check)  # (removed with the world)
 
 
 def _after_first_step(planned: Planned, device: str, *_: Any) -> None:
     """The first optimizer step's peak on the GPU, weighed once: over the budget, the next plan."""
-    if planned.watch is None:
+    if planned.stepped:  # (not removed here: torch is iterating over its hooks)
         return
-    planned.watch.remove()
+    planned.stepped = True
     if CURRENT.planned is planned:
         error = first_step_exceeds(planned, torch.cuda.max_memory_allocated(device))
         if error is not None:
