@@ -180,11 +180,26 @@ def test_another_optimizer_is_counted_after_one_step_on_meta_copies():
     assert 2 * LINEAR <= found.optimizer <= 2 * LINEAR + 2 * 8 and found.notes == ()
 
 
+class NeedsClosure(torch.optim.SGD):
+    def step(self, closure):  # (no closure on the meta device: the step fails there)
+        return super().step(closure)
+
+
 def test_an_optimizer_that_cannot_step_on_meta_takes_the_documented_rule_and_says_so():
     model, batch = _linear()
-    found = estimate(model, batch, optimizer=torch.optim.LBFGS)  # its step needs a closure
+    found = estimate(model, batch, optimizer=NeedsClosure, optimizer_kwargs={"lr": 0.1})
     assert found.optimizer == optimizers.FALLBACK_COPIES * LINEAR
-    assert "LBFGS's state could not be counted" in found.notes[0]
+    assert "NeedsClosure's state could not be counted" in found.notes[0]
+
+
+def test_lbfgs_keeps_its_history_two_flat_copies_a_step():
+    model, batch = _linear()
+    found = estimate(model, batch, optimizer=torch.optim.LBFGS, optimizer_kwargs={"history_size": 5})
+    assert found.optimizer == (2 * 5 + 2) * LINEAR  # (its step needs a closure: not tracked, said)
+    assert found.notes == (
+        "LBFGS could not step on fake tensors: its state and temporaries are added to "
+        "the step's peak by rule",
+    )
 
 
 def test_tied_weights_count_once():
