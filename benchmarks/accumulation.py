@@ -1,6 +1,7 @@
 """Gradient accumulation: unchanged single-process code under autoddp against hand-written DDP.
 
     python benchmarks/accumulation.py [--micro-steps K] [--rounds N] [--width W] [--batch B] [--nproc N]
+                                      [--strategy ddp|fsdp]
 
 One run of ``--nproc`` gloo workers (``@autoddp.distributed``, capture on: the code inside is
 what a single-process script runs), an MLP of ``--width`` (the default: 12.6M parameters, 50 MB
@@ -22,6 +23,11 @@ gloo all-reduce events, one per DDP bucket, and any other all-reduce) and those 
 gradient synchronisations (all-reduces over the buckets of one), and how far autoddp's weights
 end from hand-written ``no_sync``'s (the same steps on the same data: only the order of float
 additions differs). The last line printed is one JSON object.
+
+``--strategy fsdp``: the same with FSDP2 (``strategy="fsdp"`` for autoddp; by hand, ``fully_shard``
+on each Linear layer and the root, as autoddp shards this model, with
+``set_requires_gradient_sync(False)`` on the first K - 1 micro-steps for ``no_sync``); the
+collectives counted are the reduce-scatters (one per layer per synchronisation) and all-reduces.
 """
 
 from __future__ import annotations
@@ -84,8 +90,30 @@ STEPS: dict[str, Callable[..., None]] = {
 }
 
 
+def fsdp_no_sync_step(model: Any, optimizer: Any, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Hand-written FSDP2's accumulation: no reduce-scatter but at the last micro-step."""
+    for index, (x, y) in enumerate(micro):
+        model.set_requires_gradient_sync(index == len(micro) - 1)
+        loss = F.cross_entropy(model(x), y) / len(micro)
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def hand_sharded(template: torch.nn.Module) -> torch.nn.Module:
+    """``template`` sharded by hand as autoddp shards it: each Linear layer, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = copy.deepcopy(template)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    return fully_shard(model)
+
+
 def all_reduces(step: Callable[[], None]) -> dict[str, int]:
-    """The all-reduces one call of ``step`` issues on this rank, by torch profiler event name."""
+    """The gradient synchronisations one call of ``step`` issues on this rank (all-reduces, and
+    FSDP2's reduce-scatters), by torch profiler event name."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -93,7 +121,7 @@ def all_reduces(step: Callable[[], None]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for event in prof.events():
         name = event.name
-        if "all_reduce" in name or "allreduce" in name:
+        if any(part in name for part in ("all_reduce", "allreduce", "reduce_scatter")):
             counts[name] = counts.get(name, 0) + 1
     return counts
 
@@ -115,7 +143,7 @@ def _timed(step: Callable[[], None]) -> float:
     return float(spent.item())
 
 
-def measure(width: int, batch: int, micro_steps: int, rounds: int) -> dict[str, Any]:
+def measure(width: int, batch: int, micro_steps: int, rounds: int, strategy: str = "ddp") -> dict[str, Any]:
     """The decorated function's body: every contender's times and counts (rank 0's returned)."""
     torch.manual_seed(0)  # the same template on every rank
     template = make_model(width)
@@ -130,9 +158,13 @@ def measure(width: int, batch: int, micro_steps: int, rounds: int) -> dict[str, 
     models: dict[str, Any] = {"autoddp": copy.deepcopy(template)}
     optimizers = {"autoddp": torch.optim.SGD(models["autoddp"].parameters(), lr=0.01)}  # capture wraps here
     for name in ("no_sync", "ddp"):
-        models[name] = DistributedDataParallel(copy.deepcopy(template), gradient_as_bucket_view=True)
+        if strategy == "fsdp":
+            models[name] = hand_sharded(template)
+        else:
+            models[name] = DistributedDataParallel(copy.deepcopy(template), gradient_as_bucket_view=True)
         optimizers[name] = torch.optim.SGD(models[name].parameters(), lr=0.01)
-    steps = {name: (lambda n=name: STEPS[n](models[n], optimizers[n], micro)) for name in CONTENDERS}
+    made = {**STEPS, "no_sync": fsdp_no_sync_step} if strategy == "fsdp" else STEPS
+    steps = {name: (lambda n=name: made[n](models[n], optimizers[n], micro)) for name in CONTENDERS}
     times: dict[str, list[float]] = {name: [] for name in CONTENDERS}
     for number in range(2 + rounds):
         turn = number % len(CONTENDERS)
@@ -141,14 +173,18 @@ def measure(width: int, batch: int, micro_steps: int, rounds: int) -> dict[str, 
             if number >= 2:
                 times[name].append(spent)
     counts = {name: all_reduces(steps[name]) for name in CONTENDERS}
-    ours = [p.detach() for p in models["autoddp"].parameters()]
-    theirs = [p.detach() for p in models["no_sync"].module.parameters()]
+    hand = models["no_sync"].module if strategy == "ddp" else models["no_sync"]
+    ours, theirs = ([_whole(p) for p in m.parameters()] for m in (models["autoddp"], hand))
     return {
         "parameters": sum(p.numel() for p in template.parameters()),
         "times": times,
         "counts": counts,
         "max_weight_difference": max(float((a - b).abs().max()) for a, b in zip(ours, theirs, strict=True)),
     }
+
+
+def _whole(param: torch.Tensor) -> torch.Tensor:
+    return (param.full_tensor() if hasattr(param, "full_tensor") else param).detach()
 
 
 def summarise(result: dict[str, Any], micro_steps: int) -> dict[str, Any]:
@@ -184,10 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--batch", type=int, default=16, help="samples per micro-batch per process")
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp", help="DDP, or FSDP2 everywhere")
     args = parser.parse_args(argv)
     # (no step report: the three contenders take turns in the same workers)
-    run = autoddp.distributed(nproc=args.nproc, backend="gloo", step_report=False)(measure)
-    summary = summarise(run(args.width, args.batch, args.micro_steps, args.rounds), args.micro_steps)
+    run = autoddp.distributed(nproc=args.nproc, backend="gloo", step_report=False, strategy=args.strategy)(
+        measure
+    )
+    measured = run(args.width, args.batch, args.micro_steps, args.rounds, args.strategy)
+    summary = {**summarise(measured, args.micro_steps), "strategy": args.strategy}
     ms, calls, syncs = (
         summary["step_ms"],
         summary["all_reduces_per_step"],

@@ -61,12 +61,15 @@ def _train(
     scaler: bool = False,
     own_no_sync: bool = False,
     retain: bool = False,
+    syncs: list[int] | None = None,
 ):
     """Train on ``steps`` windows; ``rank`` None: one process with the global batch.
 
     Returns per step the collectives issued and the norms ``clip_grad_norm_`` and a reading by hand
-    saw, then the weights. ``retain``: the last micro-step's loss goes backward twice.
+    saw, then the weights. ``retain``: the last micro-step's loss goes backward twice. ``syncs``:
+    count those instead of every collective (``_counting_syncs``).
     """
+    issued = _issued if syncs is None else lambda: syncs[0]
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     grad_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if scaler else None
@@ -80,11 +83,16 @@ def _train(
             last = j == k - 1
             with model.no_sync() if own_no_sync and rank is not None and not last else _nothing():
                 loss = nn.functional.mse_loss(model(x), y) / k
-                before = _issued() if before is None else before  # (after the first forward's broadcast)
+                before = issued() if before is None else before  # (after the first forward's broadcast)
                 if retain and last:
                     loss.backward(retain_graph=True)
                 (grad_scaler.scale(loss) if scaler else loss).backward()
-        hand = float(sum(p.grad.pow(2).sum() for p in model.parameters()) ** 0.5)  # (before clip's)
+        grads = [p.grad for p in model.parameters()]  # (None where FSDP2's wait for a step's averaging)
+        hand = (
+            float(sum(_full(g).pow(2).sum() for g in grads) ** 0.5)
+            if all(g is not None for g in grads)
+            else 0.0
+        )
         if scaler:
             grad_scaler.unscale_(optimizer)
         norms.append((float(torch.nn.utils.clip_grad_norm_(model.parameters(), 100.0)), hand))
@@ -94,12 +102,17 @@ def _train(
         else:
             optimizer.step()
         optimizer.zero_grad()
-        counts.append(_issued() - before)
-        before = _issued()
-    return counts, norms, [p.detach().clone() for p in model.parameters()]
+        counts.append(issued() - before)
+        before = issued()
+    return counts, norms, [_full(p).detach().clone() for p in model.parameters()]
 
 
-def _train_gan(rank: int | None, iterations: int = 6):
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor, also of a sharded parameter or gradient (a collective then)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _train_gan(rank: int | None, iterations: int = 6, syncs: list[int] | None = None):
     """A DCGAN-style loop: D sees real and fake, then G's loss passes through D again (D's window
     is 3 forwards, G's 1). Returns per iteration the all-reduces issued, then both models' weights."""
     torch.manual_seed(0)
@@ -110,7 +123,7 @@ def _train_gan(rank: int | None, iterations: int = 6):
     for i in range(iterations):
         x = real[i].reshape(-1, 8) if rank is None else real[i, rank]
         z = noise[i].reshape(-1, 4) if rank is None else noise[i, rank]
-        before = _issued()
+        before = _issued() if syncs is None else syncs[0]
         opt_d.zero_grad()
         fake = g(z)
         loss_d = d(x).mean() - d(fake.detach()).mean()
@@ -120,8 +133,8 @@ def _train_gan(rank: int | None, iterations: int = 6):
         loss_g = -d(fake).mean()
         loss_g.backward()
         opt_g.step()
-        counts.append(_issued() - before)
-    return counts, [p.detach().clone() for m in (g, d) for p in m.parameters()]
+        counts.append((_issued() if syncs is None else syncs[0]) - before)
+    return counts, [_full(p).detach().clone() for m in (g, d) for p in m.parameters()]
 
 
 def _train_sam(rank: int | None, steps: int = 5, rho: float = 0.05):
@@ -148,7 +161,7 @@ def _train_sam(rank: int | None, steps: int = 5, rho: float = 0.05):
         optimizer.step()
         optimizer.zero_grad()
         norms.append(float(norm))
-    return norms, [p.detach().clone() for p in model.parameters()]
+    return norms, [_full(p).detach().clone() for p in model.parameters()]
 
 
 class _nothing:
@@ -176,6 +189,59 @@ def _runs(runs: dict[str, tuple[list[int], dict]]):
 @pytest.fixture(scope="module")
 def both():
     return _runs(RUNS)
+
+
+# --- strategy="fsdp": FSDP2's reduce-scatters deferred the same way (``models._deferral``) -------------
+
+#: The reduce-scatters and all-reduces the FSDP runs issued: gradient synchronisations only (FSDP2's
+#: all-gathers come with every forward, accumulating or not).
+_SYNCS = ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce")
+
+
+def _counting_syncs() -> list[int]:
+    """Count this rank's calls of ``_SYNCS`` from here on (they still run: nothing is replaced)."""
+    import torch.distributed as dist
+
+    count = [0]
+    for name in _SYNCS:
+        original = getattr(dist, name, None)
+        if original is not None:
+
+            def counted(*args, _original=original, **kwargs):
+                count[0] += 1
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+    return count
+
+
+FSDP_RUNS = {
+    name: RUNS[name] for name in ("1", "2", "4", "irregular", "own no_sync", "scaler", "second backward")
+}
+
+
+def _runs_fsdp(runs: dict[str, tuple[list[int], dict]]):
+    """Run under ``strategy="fsdp"`` (decorated in the fixture: a torch without FSDP2 refuses it)."""
+    count = _counting_syncs()
+    found = {}
+    for name, (steps, extra) in runs.items():
+        found[name] = _train(steps, autoddp.rank(), syncs=count, **extra)
+    return found, _train_gan(autoddp.rank(), syncs=count), _train_sam(autoddp.rank())
+
+
+@pytest.fixture(scope="module")
+def sharded():
+    missing = _fsdp_missing()
+    if missing:
+        pytest.skip(missing)
+    return autoddp.distributed(nproc=_WORLD, strategy="fsdp")(_runs_fsdp)(FSDP_RUNS)
+
+
+def _fsdp_missing() -> str:
+    from autoddp.core import _compat
+
+    needed = _compat.fsdp2_release("cpu")
+    return f"FSDP2 on CPU needs torch {needed}" if needed else ""
 
 
 @pytest.fixture(scope="module")
@@ -255,6 +321,13 @@ SCRIPT = """
         return original_all_gather(*args, **kwargs)
 
     dist.all_gather = all_gather
+    syncs = [0]  # FSDP2's reduce-scatters and autoddp's all-reduces (Python's; DDP's run in C++)
+    for name in ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce"):
+        if hasattr(dist, name):
+            def counted(*args, _original=getattr(dist, name), **kwargs):
+                syncs[0] += 1
+                return _original(*args, **kwargs)
+            setattr(dist, name, counted)
 
     def issued():  # the collectives other than those all-gathers this rank issued so far
         from autoddp.core import _compat
@@ -266,7 +339,7 @@ SCRIPT = """
     data = torch.utils.data.TensorDataset(torch.randn(40, 8), torch.randn(40, 1))
     loader = torch.utils.data.DataLoader(data, batch_size=4)  # 10 batches: windows of 4, 4, 2
     K = 4
-    counts, before = [], None
+    counts, before, per_step, at = [], None, [], 0
     for epoch in range(2):
         for i, (x, y) in enumerate(loader):
             loss = nn.functional.mse_loss(model(x), y) / K
@@ -278,16 +351,30 @@ SCRIPT = """
                 optimizer.zero_grad()
                 counts.append(issued() - before)
                 before = issued()
-    weights = [p.detach().flatten().tolist() for p in model.parameters()]
-    print("RESULT", json.dumps({"counts": counts, "weights": weights}))
+                per_step.append(syncs[0] - at)
+                at = syncs[0]
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+    weights = [p.detach().flatten().tolist() for p in full]
+    print("RESULT", json.dumps({"counts": counts, "syncs": per_step, "weights": weights}))
 """
 
 
-@pytest.mark.parametrize("flags", [[], ["--split-batches"]], ids=["default", "split-batches"])
+#: Under "auto", a budget that DDP's state (5.0 KiB) does not fit and FSDP's (4.9 KiB) nearly does:
+#: sharded, with no room for the unsharded gradients accumulation would keep (``models._deferral``).
+_NO_ROOM = ["--device-memory", "4700"]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["--split-batches"], ["--strategy", "fsdp"], _NO_ROOM],
+    ids=["default", "split-batches", "fsdp", "fsdp-without-room"],
+)
 def test_an_unchanged_script_under_the_command_synchronises_once_per_step(tmp_path, flags):
     """A DataLoader whose epoch ends in a shorter window: the last batch synchronises too. (In order,
     the loader is whole on every rank, and the model splits each batch at its call: its all-gathers
     are not counted here, only DDP's synchronisations.)"""
+    if ("fsdp" in flags or flags == _NO_ROOM) and _fsdp_missing():
+        pytest.skip(_fsdp_missing())
     script = tmp_path / "accumulate.py"
     script.write_text(textwrap.dedent(SCRIPT))
     alone = run_python([str(script)], timeout=60)
@@ -296,7 +383,58 @@ def test_an_unchanged_script_under_the_command_synchronises_once_per_step(tmp_pa
     assert ran.returncode == 0, ran.stderr
     theirs = json.loads(alone.stdout.split("RESULT ", 1)[1])
     ours = json.loads(ran.stdout.split("RESULT ", 1)[1])
-    # (the first step also holds capture's own first-step agreement between the ranks)
-    assert ours["counts"][1:] == [1] * 5, ours["counts"]
+    if "fsdp" in flags:  # one synchronisation: a reduce-scatter per block (2 Linear layers), no more
+        assert ours["syncs"][1:] == [2] * 5, ours["syncs"]
+    elif flags == _NO_ROOM:  # every backward reduce-scatters (windows of 4, 4, 2 batches an epoch)
+        assert "FSDP across 2 processes" in ran.stderr, ran.stderr
+        assert ours["syncs"][1:] == [2 * k for k in (4, 2, 4, 4, 2)], ours["syncs"]
+    else:  # (the first step also holds capture's own first-step agreement between the ranks)
+        assert ours["counts"][1:] == [1] * 5, ours["counts"]
     for a, b in zip(ours["weights"], theirs["weights"], strict=True):
         assert a == pytest.approx(b, abs=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(FSDP_RUNS))
+def test_fsdp_weights_and_clipped_norms_equal_one_process(sharded, name):
+    """Deferred reduce-scatters (and a wrong guess's gradients averaged at clip or step) give the
+    weights and the clipped norms of one process with the global batch."""
+    steps, extra = FSDP_RUNS[name]
+    _, norms, weights = sharded[0][name]
+    _, reference_norms, reference = _train(steps, None, **extra)
+    assert [n[0] for n in norms] == pytest.approx([n[0] for n in reference_norms], rel=1e-5)
+    for ours, theirs in zip(weights, reference, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+
+
+def test_fsdp_synchronises_once_per_optimizer_step(sharded):
+    """A synchronisation is one backward's reduce-scatters (one per unit): K = 2 and 4 cost what
+    K = 1 costs, once the window is learned; the user's own no_sync changes nothing."""
+    found = sharded[0]
+    one = found["1"][0]
+    assert len(set(one)) == 1 and one[0] > 0, one
+    for name in ("2", "4", "own no_sync"):
+        assert found[name][0][1:] == one[1:], (name, found[name][0], one)
+
+
+def test_fsdp_irregular_window_costs_at_most_one_more_per_change(sharded):
+    """A wrong guess costs one more synchronisation: the all-reduce of what was left unsharded."""
+    steps = FSDP_RUNS["irregular"][0]
+    counts, per_sync = sharded[0]["irregular"][0][1:], sharded[0]["1"][0][0]
+    changes = sum(1 for a, b in itertools.pairwise(steps) if a != b)
+    assert all(c <= 2 * per_sync for c in counts), counts
+    assert sum(counts) <= (len(counts) + changes) * per_sync, counts
+
+
+def test_fsdp_two_models_and_zero_grad_drop_what_was_deferred(sharded):
+    """D's window holds G's loss through D, whose gradients opt_d.zero_grad() drops: deferred
+    unsharded, they must go too. Then sharpness-aware minimisation (weights moved inside a window:
+    nothing deferred)."""
+    counts, weights = sharded[1]
+    assert counts == [3] * len(counts), counts  # one synchronisation each: G's 2 blocks, D's 1
+    for ours, theirs in zip(weights, _train_gan(None)[1], strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+    norms, weights = sharded[2]
+    reference_norms, reference = _train_sam(None)
+    assert norms == pytest.approx(reference_norms, rel=1e-5)
+    for ours, theirs in zip(weights, reference, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)

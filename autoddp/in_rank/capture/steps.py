@@ -141,7 +141,7 @@ class Steps:
             session.notice.say(
                 "accumulation",
                 f"gradient accumulation: {CURRENT.accumulating} backward passes per optimizer.step() at "
-                f"{where(caller_site())}: DDP synchronises the gradients once per step, at the last one "
+                f"{where(caller_site())}: the gradients are synchronised once per step, at the last one "
                 "(what no_sync() does by hand); a step that comes earlier averages them then",
             )
 

@@ -27,7 +27,7 @@ import torch
 
 from autoddp.core import _warn
 from autoddp.core.state import CURRENT
-from autoddp.in_rank.models import _reduction, _routing, _window
+from autoddp.in_rank.models import _deferral, _mean, _plan, _reduction, _routing, _window
 
 _GUARDED = "_autoddp_guarded"
 
@@ -38,11 +38,18 @@ class _Guard:
     def __init__(self) -> None:
         self.models: list[torch.nn.Module] = []
         self.seen: list[tuple[int, int]] = []  # per model, in the order of models: (forwards, bypasses)
+        self.sharded: list[Any] = []  # the ``_deferral.Deferral`` of each sharded model it trains
 
-    def add(self, models: list[torch.nn.Module]) -> None:
+    def add(self, models: list[torch.nn.Module], optimizer: torch.optim.Optimizer) -> None:
         for model in models:
             replica = model.__dict__.get(_routing.REPLICA_ATTR)
-            if replica is not None and not any(known is model for known in self.models):
+            if replica is None and CURRENT.capture is not None:  # (sharded: its window, ``_deferral``)
+                room = functools.partial(_plan.room, CURRENT.world, model, optimizer)
+                _deferral.attach(model, optimizer, room)
+                deferral = _deferral.of(model)
+                if deferral is not None and not any(known is deferral for known in self.sharded):
+                    self.sharded.append(deferral)
+            elif replica is not None and not any(known is model for known in self.models):
                 replica.watch_submodules(model)  # (the counts this hook compares)
                 if CURRENT.capture is not None and replica.window is None:
                     probe = next((p for p in model.parameters() if p.requires_grad), None)
@@ -53,7 +60,7 @@ class _Guard:
     def __call__(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         if CURRENT.backward_kind == _reduction.BACKWARD:  # a step from a hook: DDP has not averaged yet
             params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
-            if _average(params) and self.models:
+            if self.models and _mean.average(params):
                 self._say(self.models[0], "in backward", _in_backward())
             return None
         closure = kwargs["closure"] if kwargs and "closure" in kwargs else args[1] if len(args) > 1 else None
@@ -66,7 +73,11 @@ class _Guard:
         return (args[0], made, *args[2:]), kwargs  # (args[0]: the optimizer)
 
     def check(self) -> None:
-        """Average the gradients of each model whose ``.grad`` DDP did not (wholly) average."""
+        """Average the gradients of each model whose ``.grad`` DDP did not (wholly) average, and
+        those deferred backward passes left unsharded (``_deferral``)."""
+        for deferral in self.sharded:
+            deferral.settle()
+            deferral.stepped()
         seen = self.seen
         for index, model in enumerate(self.models):
             replica = model.__dict__.get(_routing.REPLICA_ATTR)
@@ -95,7 +106,7 @@ class _Guard:
         if unseen or unreduced or replica.bypasses != bypasses:
             params = [p for p in model.parameters() if p.requires_grad]
             reason = "unseen" if unseen else unreduced or "beside"
-            if _average(params) and reason not in _reduction.SILENT:  # (a window guessed wrong: silent)
+            if _mean.average(params) and reason not in _reduction.SILENT:  # (a window guessed wrong: silent)
                 self._say(model, reason, _WORDS[reason](type(model).__name__))
         if replica.window is not None:
             replica.window.stepped(replica.forwards)
@@ -207,12 +218,12 @@ def guard(optimizer: torch.optim.Optimizer, models: list[torch.nn.Module]) -> No
     """
     existing = optimizer.__dict__.get(_GUARDED)
     if isinstance(existing, _Guard):
-        existing.add(models)
-        return
-    if not any(_routing.REPLICA_ATTR in m.__dict__ for m in models):
+        existing.add(models, optimizer)
         return
     hook = _Guard()
-    hook.add(models)
+    hook.add(models, optimizer)
+    if not hook.models and not hook.sharded:
+        return
     optimizer.register_step_pre_hook(hook)
     optimizer.__dict__[_GUARDED] = hook
 
@@ -225,58 +236,14 @@ def average_before_read() -> None:
     A collective where some model has such gradients; every rank has the same ones (the windows and
     the backward passes are alike everywhere).
     """
+    _deferral.settle_all()
     for model in CURRENT.wrapped_models():
         replica = model.__dict__.get(_routing.REPLICA_ATTR)
         if replica is None or not replica.watched or replica.reduction.due() is None:
             continue
         reason = replica.reduction.take()
-        if _average([p for p in model.parameters() if p.requires_grad]) and reason not in _reduction.SILENT:
+        if (
+            _mean.average([p for p in model.parameters() if p.requires_grad])
+            and reason not in _reduction.SILENT
+        ):
             _say_once(model, reason, _WORDS[reason](type(model).__name__))
-
-
-#: The most bytes of gradients one all-reduce of ``_average`` carries (DDP's default bucket size).
-_BUCKET = 25 * 1024 * 1024
-
-
-def _average(params: list[torch.Tensor]) -> bool:
-    """Average the gradients of ``params`` across ranks; False when none had one.
-
-    Gradients of one device and dtype travel flattened together, up to ``_BUCKET`` bytes per
-    all-reduce: a step the window guessed wrong costs one synchronisation, as DDP's would.
-    """
-    import torch.distributed as dist
-
-    if not any(p.grad is not None for p in params):
-        return False
-    world = dist.get_world_size()
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    buckets = _buckets([g for g in grads if not g.is_sparse])  # the same lists, in order, everywhere
-    flats = [torch.cat([g.reshape(-1) for g in bucket]) for bucket in buckets]
-    works = [dist.all_reduce(flat, async_op=True) for flat in flats]
-    works += [dist.all_reduce(g, async_op=True) for g in grads if g.is_sparse]
-    for work in works:
-        work.wait()
-    for bucket, flat in zip(buckets, flats, strict=True):
-        for g, part in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
-            g.copy_(part.view_as(g))
-    for p, g in zip(params, grads, strict=True):
-        if p.grad is not None:
-            p.grad.div_(world)
-        elif torch.count_nonzero(g):
-            p.grad = g.div_(world)
-    return True
-
-
-def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """``grads`` in runs of one device and dtype, each up to ``_BUCKET`` bytes (order kept)."""
-    buckets: list[list[torch.Tensor]] = []
-    size = 0
-    for g in grads:
-        last = buckets[-1][-1] if buckets else None
-        nbytes = g.numel() * g.element_size()
-        if last is None or (last.device, last.dtype) != (g.device, g.dtype) or size + nbytes > _BUCKET:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(g)
-        size += nbytes
-    return buckets

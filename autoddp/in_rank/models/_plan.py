@@ -95,6 +95,24 @@ def resolve(
     return dataclasses.replace(options, strategy=choice.strategy, cpu_offload=choice.cpu_offload)
 
 
+def room(world: World, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """The bytes a process has left beyond the state of the models placed so far, the same on
+    every rank: what gradient accumulation under FSDP may keep unsharded (``_deferral``). Where
+    "auto" weighed them, what its budget leaves; else the default budget less ``module``'s sharded
+    state with ``optimizer``, agreed by one all-reduce (every rank calls this in the same order)."""
+    planned = CURRENT.planned
+    if planned is not None and planned.budget is not None:
+        return max(planned.budget - planned.placed, 0)
+    from autoddp.in_rank.models import fsdp
+
+    units = [m for m in module.modules() if m is not module and isinstance(m, fsdp.fsdp_api().FSDPModule)]
+    weighed = estimate.state_only(
+        module, optimizer=optimizer, plan="fsdp", processes=world.world_size, units=units
+    )
+    left, _ = _agreed(world, max(_budget(world, CURRENT.options) - weighed.total, 0), {})
+    return left
+
+
 def _keep_note(planned: Planned, module: torch.nn.Module, said: str) -> None:
     """``said`` for the notice, under the model (and the module a ``torch.compile`` result holds)."""
     planned.notes[module] = said

@@ -12,6 +12,7 @@ Values the user's code reads from the sharded weights are the full tensor's (``_
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import Counter
 from collections.abc import Mapping
@@ -23,7 +24,7 @@ from autoddp.core import _class_swap, _compat, _warn
 from autoddp.core.environment import hardware
 from autoddp.core.errors import ConfigurationError
 from autoddp.core.state import CURRENT, RunOptions, World
-from autoddp.in_rank.models import _reads, _start
+from autoddp.in_rank.models import _deferral, _reads, _start
 
 #: The strategy's name (``strategy="fsdp"``), kept on the class of each model it shards.
 NAME = "fsdp"
@@ -274,12 +275,28 @@ def _deepcopy(self: torch.nn.Module, memo: dict) -> Any:
     return copied
 
 
+def _zero_grad(self: torch.nn.Module, set_to_none: bool = True) -> None:
+    """``model.zero_grad()``: also the gradients a deferred backward left unsharded (``_deferral``)."""
+    deferral = _deferral.of(self)
+    if deferral is not None:
+        deferral.drop()
+    getattr(type(self), _class_swap.PLAIN_CLASS).zero_grad(self, set_to_none)
+
+
+def _no_sync(self: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """DDP's ``model.no_sync()``, for code written for DDP: nothing to do (gradient accumulation's
+    reduce-scatters are deferred for it: ``_deferral``; a step averages whatever is left)."""
+    return contextlib.nullcontext()
+
+
 def _sharded_class(cls: type) -> type:
     return _class_swap.cached_subclass(
         cls,
         {
             "load_state_dict": _load_state_dict,
             "__deepcopy__": _deepcopy,
+            "zero_grad": _zero_grad,
+            "no_sync": _no_sync,
             "_autoddp_strategy": NAME,
             _class_swap.PLAIN_CLASS: cls,
         },
@@ -292,8 +309,9 @@ def distributed(model: torch.nn.Module) -> bool:
 
 
 def release(model: torch.nn.Module) -> None:
-    """Sharding stays (FSDP2 cannot be undone); autoddp's own subclass and reads go."""
+    """Sharding stays (FSDP2 cannot be undone); autoddp's own subclass, hooks and reads go."""
     model.__dict__.pop(_SKELETON, None)
+    _deferral.detach(model)
     _reads.uninstall()
     plain = type(model).__dict__.get(_class_swap.PLAIN_CLASS)
     if plain is not None:

@@ -1,0 +1,242 @@
+"""Gradient accumulation under FSDP2: one reduce-scatter per optimizer step, for unchanged code.
+
+What ``_window`` does for DDP: a forward the learned window says is not the last before a step
+runs with FSDP2's ``set_requires_gradient_sync(False)``, so its backward leaves the gradients
+unsharded and summed locally, and the last one's reduce-scatter averages the sum into the shards.
+Those unsharded gradients take the whole model's gradient bytes on every rank: deferred only where
+they fit twice in what the memory budget leaves (``_plan.room``), and never with CPU offload or
+mixed precision (FSDP2 keeps their gradients elsewhere).
+
+A guess can be wrong, never the result. FSDP2 swaps each unit's unsharded parameters in for its
+forward; a pre-hook on the unit, after FSDP2's, sees them (torch keeps the same ones from one
+forward to the next), and their ``.grad`` is what a deferred backward left. A step, or what reads
+gradients before it (``clip_grad_norm_``), that finds such gradients averages them across ranks and
+adds this rank's slice to the shards' gradients (``settle``); ``zero_grad``, of an optimizer or of
+the model, drops them, as it drops the shards'. (Gradients set to None by hand, parameter by
+parameter, between a deferred backward and the step are not seen: only ``zero_grad`` is.)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from autoddp.core.errors import TorchCompatibilityError
+from autoddp.core.state import CURRENT
+from autoddp.in_rank.models import _mean, _window
+
+_ATTR = "_autoddp_deferral"
+_ZERO_GRAD = "zero_grad"
+
+
+class _Unit:
+    """One ``fully_shard`` unit: where its own parameters sit, and their unsharded twins."""
+
+    __slots__ = ("places", "unsharded")
+
+    def __init__(self, unit: torch.nn.Module, units: set[int]) -> None:
+        self.places = list(_own_places(unit, units))
+        self.unsharded: list[torch.nn.Parameter] = []  # (seen at the unit's first forward)
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        """The unit's forward pre-hook (after FSDP2's, which unsharded it): its unsharded parameters."""
+        if not self.places:
+            return
+        owner, name = self.places[0]
+        first = getattr(owner, name)
+        if (self.unsharded and first is self.unsharded[0]) or _is_dtensor(first):
+            return  # (the same as before; or not unsharded for this forward: nothing to see)
+        self.unsharded = [getattr(owner, name) for owner, name in self.places]
+
+    def pending(self) -> bool:
+        return any(p.grad is not None for p in self.unsharded)
+
+    def shards(self) -> list[Any]:
+        """The unit's sharded parameters, registered on their modules between forwards."""
+        found = [getattr(owner, name) for owner, name in self.places]
+        if not all(_is_dtensor(p) for p in found):
+            raise TorchCompatibilityError("FSDP2 left a unit's parameters unsharded after its backward")
+        return found
+
+
+def _is_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+class Deferral:
+    """The window of one sharded model and the gradients its deferred backward passes left."""
+
+    def __init__(self, model: torch.nn.Module, units: list[torch.nn.Module]) -> None:
+        probe = next((p for p in model.parameters() if p.requires_grad), None)
+        self.window = _window.Window(probe)
+        self.forwards = 0  # forwards with gradients through the model
+        self.syncing = True  # what set_requires_gradient_sync was last set to
+        self.deferred = False  # a forward deferred since the gradients were last settled
+        ids = {id(unit) for unit in units}
+        self.units = [_Unit(unit, ids) for unit in units]
+        disabled = torch.compiler.disable  # (hooks of Python state: never traced by torch.compile)
+        pairs = zip(units, self.units, strict=True)
+        self.handles = [unit.register_forward_pre_hook(disabled(seen)) for unit, seen in pairs]
+        self.handles.append(model.register_forward_pre_hook(disabled(self._forward)))
+
+    def _forward(self, module: torch.nn.Module, args: Any) -> None:
+        """The model's forward pre-hook: whether this forward's backward reduce-scatters."""
+        if not torch.is_grad_enabled():
+            return
+        self.forwards += 1
+        sync = not self.window.defers(self.forwards)
+        self.deferred = self.deferred or not sync
+        if sync != self.syncing:
+            module.set_requires_gradient_sync(sync)
+            self.syncing = sync
+
+    def settle(self) -> None:
+        """Average the gradients deferred backward passes left unsharded into the shards' (a
+        collective where some are left; every rank has the same ones: the windows are alike)."""
+        if not self.deferred:
+            return
+        for unit in self.units:
+            if unit.pending():
+                _into_shards(unit)
+        self.deferred = self.syncing is False  # (a forward deferred and not yet backward: later)
+
+    def drop(self, params: set[int] | None = None) -> None:
+        """``zero_grad``: the unsharded gradients of ``params`` (ids of shards; None: all) go too."""
+        if not self.deferred:
+            return
+        for unit in self.units:
+            if unit.pending():
+                for shard, full in zip(unit.shards(), unit.unsharded, strict=True):
+                    if params is None or id(shard) in params:
+                        full.grad = None
+
+    def stepped(self) -> None:
+        self.window.stepped(self.forwards)
+
+    def detach(self, model: torch.nn.Module) -> None:
+        for handle in self.handles:
+            handle.remove()
+        if not self.syncing:
+            model.set_requires_gradient_sync(True)
+
+
+def _into_shards(unit: _Unit) -> None:
+    """The unit's unsharded gradients averaged across ranks, this rank's slice added to its shards'."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    _mean.average(unit.unsharded)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for shard, param in zip(unit.shards(), unit.unsharded, strict=True):
+        grad, param.grad = param.grad, None
+        if grad is None:
+            continue
+        (placement,) = shard.placements
+        if not isinstance(placement, Shard):
+            raise TorchCompatibilityError(f"FSDP2 placed a parameter as {placement}, not Shard(dim)")
+        pieces = torch.chunk(grad, world, dim=placement.dim)
+        local = pieces[rank] if rank < len(pieces) else grad.narrow(placement.dim, 0, 0)
+        if local.shape != shard.to_local().shape:
+            raise TorchCompatibilityError(
+                f"FSDP2's shard of a parameter is {tuple(shard.to_local().shape)}, not the "
+                f"torch.chunk slice {tuple(local.shape)} autoddp averages a deferred gradient into"
+            )
+        local = local.to(shard.dtype)
+        if shard.grad is None:
+            shard.grad = DTensor.from_local(
+                local.clone(),
+                shard.device_mesh,
+                shard.placements,
+                run_check=False,
+                shape=shard.shape,
+                stride=shard.stride(),
+            )
+        else:
+            shard.grad.to_local().add_(local)
+
+
+def _own_places(unit: torch.nn.Module, units: set[int]) -> Any:
+    """(owner, name) of each trainable parameter ``unit``'s own ``fully_shard`` manages (those of
+    its submodules that are no unit themselves), each parameter once."""
+    seen: set[int] = set()
+
+    def walk(module: torch.nn.Module) -> Any:
+        for name, param in module.named_parameters(recurse=False):
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                yield module, name
+        for child in module.children():
+            if id(child) not in units:
+                yield from walk(child)
+
+    return walk(unit)
+
+
+def of(model: torch.nn.Module) -> Deferral | None:
+    return model.__dict__.get(_ATTR)
+
+
+def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, room: Callable[[], int]) -> None:
+    """Defer ``model``'s reduce-scatters to the last backward of each window, where it is sharded
+    without CPU offload or mixed precision and its unsharded gradients fit twice in ``room()`` (the
+    bytes a process has left, the same on every rank: ``_plan.room``); ``optimizer.zero_grad`` then
+    drops them too."""
+    if _ATTR not in model.__dict__:
+        deferral = _made(model, room)
+        if deferral is None:
+            return
+        model.__dict__[_ATTR] = deferral
+    if _ZERO_GRAD not in optimizer.__dict__:  # (an instance attribute: this optimizer's calls only)
+        optimizer.__dict__[_ZERO_GRAD] = functools.partial(_zero_grad, type(optimizer).zero_grad, optimizer)
+
+
+def _made(model: torch.nn.Module, room: Callable[[], int]) -> Deferral | None:
+    world = CURRENT.world
+    if world is None or CURRENT.options.mixed_precision is not None or not _is_fsdp(model):
+        return None
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if world.device != "cpu" and any(p.device.type == "cpu" for p in trainable):
+        return None  # CPU offload (forced, or the plan "auto" took)
+    grads = sum(p.numel() * p.element_size() for p in trainable)
+    if not trainable or 2 * grads > room():
+        return None
+    return Deferral(model, [m for m in model.modules() if _is_fsdp(m)])
+
+
+def _is_fsdp(module: torch.nn.Module) -> bool:
+    """Whether FSDP2 shards ``module`` (a model wrapped in this run: autoddp sharded it)."""
+    if not hasattr(module, "set_requires_gradient_sync"):  # (FSDP2 not even imported: no)
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def _zero_grad(original: Any, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    """``optimizer.zero_grad``: the unsharded gradients of its parameters go with the shards'."""
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for model in CURRENT.wrapped_models():
+        deferral = of(model)
+        if deferral is not None:
+            deferral.drop(params)
+    return original(optimizer, *args, **kwargs)
+
+
+def settle_all() -> None:
+    """Before something reads gradients: every sharded model's deferred gradients averaged in."""
+    for model in CURRENT.wrapped_models():
+        deferral = of(model)
+        if deferral is not None:
+            deferral.settle()
+
+
+def detach(model: torch.nn.Module) -> None:
+    """The model's hooks removed and its gradients synchronised again (the world ends)."""
+    deferral = model.__dict__.pop(_ATTR, None)
+    if deferral is not None:
+        deferral.detach(model)
