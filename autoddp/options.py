@@ -252,8 +252,10 @@ class Options:
 
     @property
     def run_options(self) -> RunOptions:
-        # derived by name (a field added to RunOptions is read from the option of its name)
-        names = [f.name for f in dataclasses.fields(RunOptions) if f.name != "ddp_kwargs"]
+        # derived by name (a field added to RunOptions is read from the option of its name; those
+        # only a plan of strategy="auto" sets have none)
+        fields = dataclasses.fields(RunOptions)
+        names = [f.name for f in fields if f.name != "ddp_kwargs" and not f.metadata.get("planned")]
         same = {name: getattr(self, name) for name in names}
         same.update(ddp_kwargs=dict(self.ddp or {}), fsdp_blocks=tuple(self.fsdp_blocks))
         return RunOptions(**same)

@@ -48,6 +48,9 @@ class RunOptions:
     mixed_precision: Any = None
     #: FSDP: keep the parameters' shards on the CPU between uses.
     cpu_offload: bool = False
+    #: FSDP: recompute each block's forward in the backward pass instead of keeping its activations
+    #: (a plan of strategy="auto" after running out of memory; no option of its own).
+    checkpoint_blocks: bool = dataclasses.field(default=False, metadata={"planned": True})
     #: The script's batch is the global batch: each rank takes its part (``autoddp.in_rank.data.split``).
     split_batches: bool = False
     #: strategy="auto": the bytes one process may use for its models' state and steps (None: the

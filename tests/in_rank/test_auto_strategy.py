@@ -46,6 +46,12 @@ def test_the_cheapest_plan_that_fits_is_taken_and_none_fitting_takes_the_fewest_
     )
     # a small model is larger sharded (the gathered blocks): none fitting, it keeps DDP
     assert budget.choose({"ddp": 30, "fsdp": 38}, 10).name == "ddp"
+    # checkpointing saves activations, not state: never taken by weighing, only from a restart
+    checkpointing = {"ddp": 40, "fsdp": 25, "fsdp with activation checkpointing": 25}
+    assert budget.choose(checkpointing, 30).name == budget.choose(checkpointing, 10).name == "fsdp"
+    chosen = budget.choose(checkpointing, 30, ["fsdp with activation checkpointing"])
+    assert (chosen.strategy, chosen.cpu_offload, chosen.checkpoint_blocks) == ("fsdp", False, True)
+    assert budget.rung("fsdp with CPU offload").checkpoint_blocks  # (the offload plan keeps it)
 
 
 @pytest.mark.unit
@@ -245,13 +251,64 @@ def test_the_decorator_restarts_once_with_the_next_plan_and_returns_the_result(c
     assert "FSDP across 2 processes" in said
 
 
+class _Block(nn.Module):
+    """A block that counts its forwards in this process (a checkpointed one runs again in backward)."""
+
+    forwards = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _Block.forwards += 1  # (not type(self): FSDP2 gives each block a subclass of its own)
+        return torch.tanh(self.linear(x))
+
+
+def _train_out_of_memory_unless_checkpointed(steps: int = 3) -> tuple[dict, list[int]]:
+    """Rank 1 runs out of memory at its second step where no block's forward ran again in the
+    first step's backward pass (its activations were kept). Returns the weights and, per step, the
+    blocks' forwards in the backward pass. Each rank trains on its half of the batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_Block() for _ in range(4)), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(3))
+    x = x if autoddp.world_size() == 1 else x[autoddp.rank() :: autoddp.world_size()]
+    in_backward = []
+    for step in range(steps):
+        if step == 1 and autoddp.rank() == 1 and in_backward[0] == 0:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        before = _Block.forwards
+        loss.backward()
+        in_backward.append(_Block.forwards - before)
+        opt.step()
+    return autoddp.unwrap(model).state_dict(), in_backward
+
+
+@needs_fsdp
+def test_out_of_memory_under_fsdp_restarts_with_the_blocks_checkpointed(capfd):
+    """The plan after FSDP recomputes each block's forward in the backward pass (its activations
+    are not kept): the same weights as one process."""
+    single, alone = _train_out_of_memory_unless_checkpointed()
+    assert alone == [0, 0, 0]
+    run = autoddp.distributed(nproc=2, device_memory="1KiB")  # (no plan fits: FSDP needs the fewest)
+    got, recomputed = run(_train_out_of_memory_unless_checkpointed)()
+    _close(got, single)
+    assert recomputed == [4, 4, 4]  # (four blocks: each forward again in each backward)
+    said = " ".join(capfd.readouterr().err.split())
+    assert said.count("restarting all 2 workers once with fsdp with activation checkpointing") == 1, said
+    assert "auto (restarted at fsdp with activation checkpointing: the last run ran out" in said
+
+
 @pytest.mark.unit
 def test_a_first_step_over_the_budget_on_a_gpu_names_the_next_plan_once(monkeypatch):
     from autoddp.core.state import Planned
     from autoddp.in_rank.models import _plan
 
     monkeypatch.delenv("AUTODDP_PLAN_FLOOR", raising=False)
-    ladder = ("ddp", "fsdp", "fsdp with CPU offload")
+    ladder = ("ddp", "fsdp", "fsdp with activation checkpointing", "fsdp with CPU offload")
     planned = Planned(budget=100 * MiB, placed=60 * MiB, ladder=ladder, taken=["ddp"])
     assert _plan.first_step_exceeds(planned, 100 * MiB) is None  # activations included, it fits
     error = _plan.first_step_exceeds(planned, 130 * MiB)
@@ -261,7 +318,7 @@ def test_a_first_step_over_the_budget_on_a_gpu_names_the_next_plan_once(monkeypa
         in str(error)
     )
     planned.taken.append("fsdp")  # a second model sharded: the next plan is past the largest taken
-    assert _plan.first_step_exceeds(planned, 130 * MiB).next_plan == "fsdp with CPU offload"
+    assert _plan.first_step_exceeds(planned, 130 * MiB).next_plan == "fsdp with activation checkpointing"
     monkeypatch.setenv("AUTODDP_PLAN_FLOOR", "fsdp")  # restarted for memory already: no next plan
     error = _plan.first_step_exceeds(planned, 130 * MiB)
     assert error.next_plan is None and "after a restart for memory already" in str(error)

@@ -1,5 +1,6 @@
 """The memory one process may use for a model's state and its steps (``device_memory``), and the
-plan (``ddp``, ``fsdp``, ``fsdp`` with CPU offload) whose bytes fit it.
+plan (``ddp``, ``fsdp``, ``fsdp`` with activation checkpointing, ``fsdp`` with CPU offload) whose
+bytes fit it.
 
 The default budget, when the user gives none:
 
@@ -10,25 +11,50 @@ The default budget, when the user gives none:
 - **On the CPU:** the machine's available memory (``MemAvailable``), read when the worker starts,
   divided by the processes on the machine.
 
-The plans, cheapest first (``LADDER``): the first whose bytes fit is taken. Nothing here runs a
-model: the bytes are the caller's (``estimate``); nothing here knows the run.
+The plans, cheapest first (``LADDER``): the first whose bytes fit is taken. Activation
+checkpointing saves activations, not state: its state weighs what FSDP's does, so weighing never
+prefers it; it is the next plan after an out-of-memory error under FSDP (a restart), and the
+offload plan keeps it. Nothing here runs a model: the bytes are the caller's (``estimate``);
+nothing here knows the run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from autoddp.core.memory.sizes import format_bytes
 
 #: The share of a GPU's total memory left out of the default budget (module docstring).
 GPU_MARGIN = 0.10
-#: The plans, cheapest first: (name, strategy, CPU offload).
-LADDER: tuple[tuple[str, str, bool], ...] = (
-    ("ddp", "ddp", False),
-    ("fsdp", "fsdp", False),
-    ("fsdp with CPU offload", "fsdp", True),
+
+
+class Rung(NamedTuple):
+    """One plan: its name, its strategy, and what it does beside sharding."""
+
+    name: str
+    strategy: str
+    cpu_offload: bool = False
+    #: Each block's forward recomputed in the backward pass instead of keeping its activations.
+    checkpoint_blocks: bool = False
+
+
+#: The plans, cheapest first.
+LADDER: tuple[Rung, ...] = (
+    Rung("ddp", "ddp"),
+    Rung("fsdp", "fsdp"),
+    Rung("fsdp with activation checkpointing", "fsdp", checkpoint_blocks=True),
+    Rung("fsdp with CPU offload", "fsdp", cpu_offload=True, checkpoint_blocks=True),
 )
+
+
+def rung(name: str) -> Rung:
+    """The plan called ``name`` (ValueError for a name not in ``LADDER``)."""
+    for plan in LADDER:
+        if plan.name == name:
+            return plan
+    raise ValueError(f"no plan called {name!r}: one of {', '.join(plan.name for plan in LADDER)}")
 
 
 def gpu_default(free: int, reserved: int, total: int) -> int:
@@ -60,6 +86,7 @@ class Choice:
     name: str
     strategy: str
     cpu_offload: bool
+    checkpoint_blocks: bool
     #: Each plan's bytes per process that were weighed, cheapest first (name -> bytes).
     needs: Mapping[str, int]
     budget: int
@@ -86,12 +113,10 @@ def choose(needs: Mapping[str, int], budget: int, allowed: Sequence[str] | None 
     """The cheapest plan of ``LADDER`` (only the ``allowed`` names, if given) whose need fits
     ``budget``; where none fits, the one that needs the fewest bytes (``fits`` False). ``needs``:
     bytes per plan name, for the plans the caller could weigh (a plan not in it is skipped)."""
-    ladder = [plan for plan in LADDER if plan[0] in needs and (allowed is None or plan[0] in allowed)]
+    ladder = [plan for plan in LADDER if plan.name in needs and (allowed is None or plan.name in allowed)]
     if not ladder:
         raise ValueError(f"no plan to weigh: needs={dict(needs)!r}, allowed={allowed!r}")
-    weighed = {name: needs[name] for name, _, _ in ladder}
-    for name, strategy, offload in ladder:
-        if needs[name] <= budget:
-            return Choice(name, strategy, offload, weighed, budget, True)
-    name, strategy, offload = min(ladder, key=lambda plan: needs[plan[0]])  # (the cheaper on a tie)
-    return Choice(name, strategy, offload, weighed, budget, False)
+    weighed = {plan.name: needs[plan.name] for plan in ladder}
+    fitting = [plan for plan in ladder if needs[plan.name] <= budget]
+    taken = fitting[0] if fitting else min(ladder, key=lambda plan: needs[plan.name])  # (cheaper on a tie)
+    return Choice(*taken, weighed, budget, bool(fitting))

@@ -4,8 +4,10 @@ may use (``device_memory``), the same on every rank.
 When a model is wrapped (its optimizer is made, or ``autoddp.prepare``), the bytes of its state
 (parameters, gradients in DDP's buckets, the optimizer's state for the optimizer being made) are
 weighed under each plan of ``core.memory.budget.LADDER``: DDP, FSDP2 over its blocks, FSDP2 with
-the shards on the CPU (GPUs only). The cheapest that fits what is left of the budget is taken. A
-model that fits under DDP always gets DDP. One all-reduce per decision makes every rank weigh the
+its blocks' activations recomputed in the backward pass (checkpointing: the state of FSDP's, the
+plan after an out-of-memory error under it), FSDP2 with the shards on the CPU (GPUs only). The
+cheapest that fits what is left of the budget is taken. A model that fits under DDP always gets
+DDP. One all-reduce per decision makes every rank weigh the
 least budget and the largest needs of any rank, so no rank can take another plan. Activations are
 not known yet at that point (no batch has been seen): the plan fits the state, and the notice
 says so.
@@ -69,7 +71,7 @@ def resolve(
         if why:
             _keep_note(planned, module, f"auto: {strategy.upper()}, {why}")
         return dataclasses.replace(options, strategy=strategy)
-    allowed = ["ddp"] + (["fsdp"] if fsdp_here else [])
+    allowed = ["ddp"] + (["fsdp", "fsdp with activation checkpointing"] if fsdp_here else [])
     allowed += ["fsdp with CPU offload"] if fsdp_here and world.device != "cpu" else []
     units = fsdp.units(module) if fsdp_here else None
     needs, notes = _needs(module, allowed, world.world_size, units, training)
@@ -92,7 +94,12 @@ def resolve(
             "process may use (device_memory): it may run out of memory. Start more processes, or pass "
             "a larger device_memory= (--device-memory) if the device has more to give"
         )
-    return dataclasses.replace(options, strategy=choice.strategy, cpu_offload=choice.cpu_offload)
+    return dataclasses.replace(
+        options,
+        strategy=choice.strategy,
+        cpu_offload=choice.cpu_offload,
+        checkpoint_blocks=choice.checkpoint_blocks,
+    )
 
 
 def room(world: World, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -193,8 +200,10 @@ def _out_of_memory(planned: Planned, what: str) -> MemoryPlanError:
         f"allowed): {what}"
     )
     if next_plan is not None:
-        _, strategy, offload = next(rung for rung in budget_.LADDER if rung[0] == next_plan)
-        forced = f"strategy={strategy!r}" + (", cpu_offload=True" if offload else "")
+        rung = budget_.rung(next_plan)
+        forced = f"strategy={rung.strategy!r}" + (", cpu_offload=True" if rung.cpu_offload else "")
+        if rung.checkpoint_blocks and not rung.cpu_offload:  # (no option: checkpointing by hand)
+            forced = "strategy='fsdp' with torch.utils.checkpoint in the blocks' forward"
         return MemoryPlanError(
             f"{said}; the next plan is {next_plan} ({forced} takes it)", plan=plan, next_plan=next_plan
         )

@@ -199,6 +199,8 @@ def _wrap_model(module: torch.nn.Module, world: World, options: RunOptions, *, m
         _warn.warn(_FP16_NOTE)
     state, loose = _start.rank0_state(module, world.rank)  # rank 0's weights go to every rank
     for unit in units(module, tuple(options.fsdp_blocks)):
+        if options.checkpoint_blocks:
+            _checkpoint(unit)
         fsdp.fully_shard(unit, **kwargs)
     fsdp.fully_shard(module, **kwargs)
     if meta:
@@ -211,6 +213,22 @@ def _wrap_model(module: torch.nn.Module, world: World, options: RunOptions, *, m
     _reads.install()  # w.norm().item() and the like: the full tensor's values, never a shard's
     CURRENT.track(module, release)
     return module
+
+
+def _checkpoint(unit: torch.nn.Module) -> None:
+    """Activation checkpointing of ``unit``: its forward keeps only its inputs, and runs again in
+    the backward pass (torch's non-reentrant checkpoint: the same random numbers, the same
+    gradients). Set on the instance, so the model's class and state dict stay as they are."""
+    from torch.utils.checkpoint import checkpoint
+
+    forward = unit.forward
+
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    unit.forward = checkpointed
 
 
 def load_full_state_dict(model: torch.nn.Module, state: Mapping[str, Any], strict: bool = True) -> Any:
