@@ -137,6 +137,40 @@ def _train_gan(rank: int | None, iterations: int = 6, syncs: list[int] | None = 
     return counts, [_full(p).detach().clone() for m in (g, d) for p in m.parameters()]
 
 
+class _Critic(nn.Module):
+    """Two blocks and a parameter of the root's own (FSDP2 keeps the root unsharded from its
+    forward to its backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.head = nn.Parameter(torch.randn(8, 1) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.b(torch.tanh(self.a(x)))) @ self.head
+
+
+def _train_gan_zeroing_late(rank: int | None, iterations: int = 6):
+    """``_train_gan`` with D's ``zero_grad()`` between its forwards and its backward (where G's
+    loss left D's gradients, deferred under FSDP): the weights of both models."""
+    torch.manual_seed(0)
+    g, d = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8)), _Critic()
+    opt_g, opt_d = (torch.optim.Adam(m.parameters(), lr=0.01) for m in (g, d))
+    real, noise = _data([iterations * 2])[0][:, :, :, :8], _data([iterations * 2])[0][:, :, :, :4]
+    for i in range(iterations):
+        x = real[i].reshape(-1, 8) if rank is None else real[i, rank]
+        z = noise[i].reshape(-1, 4) if rank is None else noise[i, rank]
+        fake = g(z)
+        loss_d = d(x).mean() - d(fake.detach()).mean()
+        opt_d.zero_grad()
+        loss_d.backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        (-d(fake).mean()).backward()
+        opt_g.step()
+    return [_full(p).detach().clone() for m in (g, d) for p in m.parameters()]
+
+
 def _train_sam(rank: int | None, steps: int = 5, rho: float = 0.05):
     """Sharpness-aware minimisation (two backward passes per step, the first one's gradients read
     by hand to move the weights): per step the gradient norm it read, then the weights."""
@@ -226,7 +260,8 @@ def _runs_fsdp(runs: dict[str, tuple[list[int], dict]]):
     found = {}
     for name, (steps, extra) in runs.items():
         found[name] = _train(steps, autoddp.rank(), syncs=count, **extra)
-    return found, _train_gan(autoddp.rank(), syncs=count), _train_sam(autoddp.rank())
+    gan = _train_gan(autoddp.rank(), syncs=count)
+    return found, gan, _train_sam(autoddp.rank()), _train_gan_zeroing_late(autoddp.rank())
 
 
 @pytest.fixture(scope="module")
@@ -432,6 +467,8 @@ def test_fsdp_two_models_and_zero_grad_drop_what_was_deferred(sharded):
     counts, weights = sharded[1]
     assert counts == [3] * len(counts), counts  # one synchronisation each: G's 2 blocks, D's 1
     for ours, theirs in zip(weights, _train_gan(None)[1], strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+    for ours, theirs in zip(sharded[3], _train_gan_zeroing_late(None), strict=True):  # (zero_grad late)
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
     norms, weights = sharded[2]
     reference_norms, reference = _train_sam(None)

@@ -35,10 +35,11 @@ _ZERO_GRAD = "zero_grad"
 class _Unit:
     """One ``fully_shard`` unit: where its own parameters sit, and their unsharded twins."""
 
-    __slots__ = ("places", "unsharded")
+    __slots__ = ("places", "sharded", "unsharded")
 
     def __init__(self, unit: torch.nn.Module, units: set[int]) -> None:
         self.places = list(_own_places(unit, units))
+        self.sharded = [getattr(owner, name) for owner, name in self.places]  # (resharded: now)
         self.unsharded: list[torch.nn.Parameter] = []  # (seen at the unit's first forward)
 
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
@@ -55,10 +56,12 @@ class _Unit:
         return any(p.grad is not None for p in self.unsharded)
 
     def shards(self) -> list[Any]:
-        """The unit's sharded parameters, registered on their modules between forwards."""
+        """The unit's sharded parameters, registered on their modules between forwards (a step,
+        or what reads gradients, comes after the backward pass that resharded them)."""
         found = [getattr(owner, name) for owner, name in self.places]
         if not all(_is_dtensor(p) for p in found):
             raise TorchCompatibilityError("FSDP2 left a unit's parameters unsharded after its backward")
+        self.sharded = found
         return found
 
 
@@ -110,8 +113,8 @@ class Deferral:
         if not self.deferred:
             return
         for unit in self.units:
-            if unit.pending():
-                for shard, full in zip(unit.shards(), unit.unsharded, strict=True):
+            if unit.pending():  # (the shards as last seen: zero_grad may come between forward and backward)
+                for shard, full in zip(unit.sharded, unit.unsharded, strict=True):
                     if params is None or id(shard) in params:
                         full.grad = None
 
@@ -161,13 +164,13 @@ def _into_shards(unit: _Unit) -> None:
 
 
 def _own_places(unit: torch.nn.Module, units: set[int]) -> Any:
-    """(owner, name) of each trainable parameter ``unit``'s own ``fully_shard`` manages (those of
-    its submodules that are no unit themselves), each parameter once."""
+    """(owner, name) of each parameter ``unit``'s own ``fully_shard`` manages (those of its
+    submodules that are no unit themselves), each once; frozen ones too (they may be unfrozen)."""
     seen: set[int] = set()
 
     def walk(module: torch.nn.Module) -> Any:
         for name, param in module.named_parameters(recurse=False):
-            if param.requires_grad and id(param) not in seen:
+            if id(param) not in seen:
                 seen.add(id(param))
                 yield module, name
         for child in module.children():
