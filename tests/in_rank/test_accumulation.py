@@ -171,6 +171,27 @@ def _train_gan_zeroing_late(rank: int | None, iterations: int = 6):
     return [_full(p).detach().clone() for m in (g, d) for p in m.parameters()]
 
 
+def _train_logging_a_loss(rank: int | None, steps: int = 5, k: int = 4):
+    """K micro-batches, then a forward with gradients whose loss is only printed, then the step
+    (FSDP2 leaves the root's parameters gathered after that forward): the weights."""
+    torch.manual_seed(0)
+    model = _Critic()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs, targets = _data([steps * (k + 1)])
+    micro = 0
+    for _ in range(steps):
+        for j in range(k + 1):
+            x = inputs[micro].reshape(-1, 8) if rank is None else inputs[micro, rank]
+            y = targets[micro].reshape(-1, 1) if rank is None else targets[micro, rank]
+            micro += 1
+            loss = nn.functional.mse_loss(model(x), y) / k
+            if j < k:  # (the last: printed only)
+                loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [_full(p).detach().clone() for p in model.parameters()]
+
+
 def _train_sam(rank: int | None, steps: int = 5, rho: float = 0.05):
     """Sharpness-aware minimisation (two backward passes per step, the first one's gradients read
     by hand to move the weights): per step the gradient norm it read, then the weights."""
@@ -261,7 +282,8 @@ def _runs_fsdp(runs: dict[str, tuple[list[int], dict]]):
     for name, (steps, extra) in runs.items():
         found[name] = _train(steps, autoddp.rank(), syncs=count, **extra)
     gan = _train_gan(autoddp.rank(), syncs=count)
-    return found, gan, _train_sam(autoddp.rank()), _train_gan_zeroing_late(autoddp.rank())
+    late = _train_gan_zeroing_late(autoddp.rank())
+    return found, gan, _train_sam(autoddp.rank()), late, _train_logging_a_loss(autoddp.rank())
 
 
 @pytest.fixture(scope="module")
@@ -474,4 +496,12 @@ def test_fsdp_two_models_and_zero_grad_drop_what_was_deferred(sharded):
     reference_norms, reference = _train_sam(None)
     assert norms == pytest.approx(reference_norms, rel=1e-5)
     for ours, theirs in zip(weights, reference, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+
+
+def test_fsdp_a_forward_no_backward_follows_before_the_step_keeps_one_process_weights(sharded):
+    """FSDP2 keeps its root's parameters gathered from a forward to its backward; a forward whose
+    loss is only printed leaves them so across the step, and the next forward would compute with
+    the weights from before it: autoddp reshards the root before the step."""
+    for ours, theirs in zip(sharded[4], _train_logging_a_loss(None), strict=True):
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)

@@ -92,7 +92,7 @@ class Optimizers:
         assert session.notice is not None
         session.notice.say(
             ("model", id(root)),
-            f"{models.class_name(root)} ({made}): {models.strategy_name(root).upper()} across "
+            f"{models.class_name(root)} ({made}): {models.strategy_label(root)} across "
             f"{session.world().world_size} processes, found through {found_through}"
             f"{models.split_note(root)}{models.plan_note(root)}",
             subject=root,

@@ -49,6 +49,7 @@ __all__ = [
     "portable",
     "release",
     "strategy_name",
+    "strategy_label",
     "plan_note",
     "class_name",
     "recovering",
@@ -221,6 +222,14 @@ def strategy_name(model: torch.nn.Module) -> str:
     """The strategy that distributes ``model`` ("ddp", "fsdp"; "" for a model nobody wrapped)."""
     strategy = _strategy_of(unwrap(model))
     return strategy.NAME if strategy is not None else ""
+
+
+def strategy_label(model: torch.nn.Module) -> str:
+    """How ``model`` is distributed, for the notice: "DDP", "FSDP", or the user's own sharding."""
+    name = strategy_name(model)
+    if not name and fsdp.sharded_by_hand(unwrap(model)):
+        return "FSDP2 by your own fully_shard (left as it is)"
+    return name.upper()
 
 
 def class_name(model: torch.nn.Module) -> str:

@@ -26,7 +26,7 @@ import torch
 
 from autoddp.core.errors import TorchCompatibilityError
 from autoddp.core.state import CURRENT
-from autoddp.in_rank.models import _mean, _window
+from autoddp.in_rank.models import _fsdp_state, _mean, _window
 
 _ATTR = "_autoddp_deferral"
 _ZERO_GRAD = "zero_grad"
@@ -37,9 +37,11 @@ class _Unit:
 
     __slots__ = ("places", "sharded", "unsharded")
 
-    def __init__(self, unit: torch.nn.Module, units: set[int]) -> None:
-        self.places = list(_own_places(unit, units))
-        self.sharded = [getattr(owner, name) for owner, name in self.places]  # (resharded: now)
+    def __init__(self, unit: torch.nn.Module) -> None:
+        self.places = list(_fsdp_state.own_places(unit))
+        #: The shards (FSDP2 keeps these objects, the optimizer's, from forward to forward; the
+        #: module holds the unsharded twins from a forward to its backward: never read then).
+        self.sharded = [getattr(owner, name) for owner, name in self.places]
         self.unsharded: list[torch.nn.Parameter] = []  # (seen at the unit's first forward)
 
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
@@ -55,14 +57,9 @@ class _Unit:
     def pending(self) -> bool:
         return any(p.grad is not None for p in self.unsharded)
 
-    def shards(self) -> list[Any]:
-        """The unit's sharded parameters, registered on their modules between forwards (a step,
-        or what reads gradients, comes after the backward pass that resharded them)."""
-        found = [getattr(owner, name) for owner, name in self.places]
-        if not all(_is_dtensor(p) for p in found):
-            raise TorchCompatibilityError("FSDP2 left a unit's parameters unsharded after its backward")
-        self.sharded = found
-        return found
+    def sharded_now(self) -> bool:
+        """Whether the parameters seen at the start are FSDP2's shards (the optimizer's)."""
+        return all(_is_dtensor(p) for p in self.sharded)
 
 
 def _is_dtensor(value: Any) -> bool:
@@ -80,8 +77,7 @@ class Deferral:
         self.forwards = 0  # forwards with gradients through the model
         self.syncing = True  # what set_requires_gradient_sync was last set to
         self.deferred = False  # a forward deferred since the gradients were last settled
-        ids = {id(unit) for unit in units}
-        self.units = [_Unit(unit, ids) for unit in units]
+        self.units = [_Unit(unit) for unit in units]
         disabled = torch.compiler.disable  # (hooks of Python state: never traced by torch.compile)
         pairs = zip(units, self.units, strict=True)
         self.handles = [unit.register_forward_pre_hook(disabled(seen)) for unit, seen in pairs]
@@ -113,7 +109,7 @@ class Deferral:
         if not self.deferred:
             return
         for unit in self.units:
-            if unit.pending():  # (the shards as last seen: zero_grad may come between forward and backward)
+            if unit.pending():
                 for shard, full in zip(unit.sharded, unit.unsharded, strict=True):
                     if params is None or id(shard) in params:
                         full.grad = None
@@ -130,54 +126,21 @@ class Deferral:
 
 def _into_shards(unit: _Unit) -> None:
     """The unit's unsharded gradients averaged across ranks, this rank's slice added to its shards'."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, Shard
-
     _mean.average(unit.unsharded)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    for shard, param in zip(unit.shards(), unit.unsharded, strict=True):
+    for shard, param in zip(unit.sharded, unit.unsharded, strict=True):
         grad, param.grad = param.grad, None
         if grad is None:
             continue
-        (placement,) = shard.placements
-        if not isinstance(placement, Shard):
-            raise TorchCompatibilityError(f"FSDP2 placed a parameter as {placement}, not Shard(dim)")
-        pieces = torch.chunk(grad, world, dim=placement.dim)
-        local = pieces[rank] if rank < len(pieces) else grad.narrow(placement.dim, 0, 0)
-        if local.shape != shard.to_local().shape:
+        piece = _fsdp_state.shard_of(grad.to(shard.dtype), shard)
+        if piece.to_local().shape != shard.to_local().shape:
             raise TorchCompatibilityError(
                 f"FSDP2's shard of a parameter is {tuple(shard.to_local().shape)}, not the "
-                f"torch.chunk slice {tuple(local.shape)} autoddp averages a deferred gradient into"
+                f"{tuple(piece.to_local().shape)} autoddp cut a deferred gradient into"
             )
-        local = local.to(shard.dtype)
         if shard.grad is None:
-            shard.grad = DTensor.from_local(
-                local.clone(),
-                shard.device_mesh,
-                shard.placements,
-                run_check=False,
-                shape=shard.shape,
-                stride=shard.stride(),
-            )
+            shard.grad = piece.clone()  # (a view would keep the whole gradient alive)
         else:
-            shard.grad.to_local().add_(local)
-
-
-def _own_places(unit: torch.nn.Module, units: set[int]) -> Any:
-    """(owner, name) of each parameter ``unit``'s own ``fully_shard`` manages (those of its
-    submodules that are no unit themselves), each once; frozen ones too (they may be unfrozen)."""
-    seen: set[int] = set()
-
-    def walk(module: torch.nn.Module) -> Any:
-        for name, param in module.named_parameters(recurse=False):
-            if id(param) not in seen:
-                seen.add(id(param))
-                yield module, name
-        for child in module.children():
-            if id(child) not in units:
-                yield from walk(child)
-
-    return walk(unit)
+            shard.grad.to_local().add_(piece.to_local())
 
 
 def of(model: torch.nn.Module) -> Deferral | None:
@@ -208,7 +171,11 @@ def _made(model: torch.nn.Module, room: Callable[[], int]) -> Deferral | None:
     grads = sum(p.numel() * p.element_size() for p in trainable)
     if not trainable or 2 * grads > room():
         return None
-    return Deferral(model, [m for m in model.modules() if _is_fsdp(m)])
+    deferral = Deferral(model, [m for m in model.modules() if _is_fsdp(m)])
+    if not all(unit.sharded_now() for unit in deferral.units):  # (a forward came before the optimizer)
+        deferral.detach(model)
+        return None
+    return deferral
 
 
 def _is_fsdp(module: torch.nn.Module) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -60,13 +61,55 @@ def sharded_model_of(optimizer: torch.optim.Optimizer) -> torch.nn.Module | None
 
 
 def bind_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Have ``optimizer`` load full (and sharded-checkpoint) state into its shards (idempotent; an
-    optimizer over parameters that are not sharded is left as it is)."""
+    """Have ``optimizer`` load full (and sharded-checkpoint) state into its shards, and reshard
+    before each step a root a forward left unsharded (``_Resharding``) (idempotent; an optimizer
+    over parameters that are not sharded is left as it is)."""
     if getattr(optimizer, _BOUND, False) or not any(_is_dtensor(p) for p in parameters(optimizer)):
         return optimizer
     optimizer.register_load_state_dict_pre_hook(_into_shards)
+    model = sharded_model_of(optimizer)
+    places = list(own_places(model)) if model is not None else []
+    if places:
+        optimizer.register_step_pre_hook(_Resharding(model, places[0]))
     setattr(optimizer, _BOUND, True)
     return optimizer
+
+
+class _Resharding:
+    """An optimizer's step pre-hook: the sharded model's root resharded where a forward with
+    gradients that no backward followed left it unsharded. FSDP2 keeps the root's parameters
+    gathered from its forward to its backward; without the backward they stay gathered, the step
+    changes the shards, and the next forward, finding them gathered, would compute with the weights
+    from before the step (FSDP2's ``reshard()`` registers the shards again: the next forward
+    gathers the stepped ones)."""
+
+    def __init__(self, model: torch.nn.Module, place: tuple[torch.nn.Module, str]) -> None:
+        self.model = weakref.ref(model)
+        self.owner, self.name = weakref.ref(place[0]), place[1]
+
+    def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        owner, model = self.owner(), self.model()
+        if owner is not None and model is not None and not _is_dtensor(getattr(owner, self.name, None)):
+            model.reshard()
+
+
+def own_places(unit: torch.nn.Module) -> Any:
+    """(owner, name) of each parameter ``unit``'s own ``fully_shard`` manages (those of its
+    submodules that are no FSDP2 module themselves), each once, frozen ones too."""
+    from torch.distributed.fsdp import FSDPModule  # (only sharded models come here: FSDP2 is there)
+
+    seen: set[int] = set()
+
+    def walk(module: torch.nn.Module) -> Any:
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) not in seen:
+                seen.add(id(param))
+                yield module, name
+        for child in module.children():
+            if not isinstance(child, FSDPModule):  # (one is a unit of its own)
+                yield from walk(child)
+
+    return walk(unit)
 
 
 def _into_shards(optimizer: torch.optim.Optimizer, state: Any) -> Any:

@@ -321,6 +321,15 @@ def _sharded_class(cls: type) -> type:
     )
 
 
+def sharded_by_hand(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is sharded by FSDP2, though not by autoddp (the user's own ``fully_shard``)."""
+    if distributed(model) or not hasattr(model, "reshard"):  # (FSDP2's modules have it)
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
 def distributed(model: torch.nn.Module) -> bool:
     """True when autoddp already shards ``model`` in the current world."""
     return _SKELETON in model.__dict__
