@@ -4,12 +4,12 @@ passes registers a watcher with it, instead of wrapping the function itself.
 Four parties watch each ``backward()``: the hang report's marks (for the worker), the step report
 (for the user's code), capture's first check and its count of backward passes (for a capture
 session). Each wrapper of its own cost a step a frame of ``*args, **kwargs`` and a ``try``; here
-one frame calls each watcher's ``before`` and, where that asked for it, its ``after``: two plain
-method calls, or one for a watcher with nothing to do in this pass.
-
+one frame, with ``torch.autograd.backward``'s own parameters (``PARAMETERS``: a call binds them
+without building a tuple and a dict), calls each watcher's ``before`` and, where that asked for
+it, its ``after``: two plain method calls, or one for a watcher with nothing to do in this pass.
 Capture's count of backward passes (for the averaging guard: which passes DDP averaged, a step
-inside one) is the wrapper's own work, inline (``count``): a watcher's two calls per step for three
-attribute writes. It counts into a state it is given (``autoddp.core.state.CURRENT``), innermost,
+inside one) is the wrapper's own work, inline (``count``): three attribute writes where a watcher
+cost two calls. It counts into a state it is given (``autoddp.core.state.CURRENT``), innermost,
 around the pass itself.
 
 A watcher is ``add``-ed (outermost: its ``before`` runs first and its ``after`` last, as the
