@@ -26,7 +26,8 @@ from torch import nn
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler
 
 from autoddp.core import _backward
-from autoddp.core.state import RunOptions, World
+from autoddp.core.state import CURRENT, RunOptions, World
+from autoddp.in_rank import models
 from autoddp.in_rank.capture import Session
 from autoddp.in_rank.data.samplers import ShardedSampler
 from autoddp.in_rank.models import _routing
@@ -40,11 +41,15 @@ def hooks(repeat: int) -> dict[str, float]:
     session = Session(RunOptions(), join=lambda: World(), planned=World(world_size=2))
     session.undistributed.backward_checked = session.undistributed.step_checked = True
 
-    def plain(*args, **kwargs):
-        return None
+    def plain(
+        tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None, inputs=None
+    ):
+        return None  # (torch.autograd.backward's parameters: the wrapper takes them)
 
-    calls = _backward.BackwardCalls()  # (the one wrapper of backward(), capture's two watchers in it)
-    calls.watchers = (session.steps, session.steps._counting)
+    calls = _backward.BackwardCalls()  # (the one wrapper of backward(): capture's watcher and count)
+    calls.registered = (session.steps,)
+    calls.listen(session.steps, True)
+    calls.counting = (CURRENT, models.BACKWARD)  # (``count`` without putting the wrapper in place)
     wrapped = calls._wrap(plain)
     number = 200_000
     base = _best_ns(lambda: plain(1), number, repeat)

@@ -4,8 +4,13 @@ passes registers a watcher with it, instead of wrapping the function itself.
 Four parties watch each ``backward()``: the hang report's marks (for the worker), the step report
 (for the user's code), capture's first check and its count of backward passes (for a capture
 session). Each wrapper of its own cost a step a frame of ``*args, **kwargs`` and a ``try``; here
-one frame calls each watcher's ``before`` and, where that asked for it, its ``after``: two plain
-method calls, or one for a watcher with nothing to do in this pass.
+one frame, with ``torch.autograd.backward``'s own parameters (``PARAMETERS``: a call binds them
+without building a tuple and a dict), calls each watcher's ``before`` and, where that asked for
+it, its ``after``: two plain method calls, or one for a watcher with nothing to do in this pass.
+Capture's count of backward passes (for the averaging guard: which passes DDP averaged, a step
+inside one) is the wrapper's own work, inline (``count``): three attribute writes where a watcher
+cost two calls. It counts into a state it is given (``autoddp.core.state.CURRENT``), innermost,
+around the pass itself.
 
 A watcher is ``add``-ed (outermost: its ``before`` runs first and its ``after`` last, as the
 wrappers' nesting gave) and ``remove``-d when its party ends; the wrapper stands while any
@@ -18,13 +23,16 @@ A leaf of core: it knows no run.
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
+import types
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
 from autoddp.core import _patches
+from autoddp.core.errors import TorchCompatibilityError
 
 #: What a watcher's ``before`` returns when it has nothing to do after the pass.
 SKIP: Any = type("Skip", (), {"__repr__": lambda self: "<skip>"})()
@@ -34,10 +42,19 @@ class Watcher(Protocol):
     """One party's view of each ``torch.autograd.backward`` call."""
 
     def before(self, args: tuple, kwargs: dict, thread: int) -> Any:
-        """Before the pass (``thread``: ``threading.get_ident()``): a token for ``after``, or ``SKIP``."""
+        """Before the pass (``thread``: ``threading.get_ident()``; ``args``: the call's arguments in
+        ``PARAMETERS``' order, ``kwargs`` empty): a token for ``after``, or ``SKIP``."""
 
     def after(self, token: Any, args: tuple, kwargs: dict, raised: bool) -> None:
         """After the pass (``raised``: it raised), with ``before``'s token."""
+
+
+class Passes(Protocol):
+    """Where ``count`` says each ``backward()`` (``autoddp.core.state.CURRENT``'s attributes)."""
+
+    backwards: int  # backward() calls begun
+    backward_kind: Any  # the kind given to ``count`` while one runs (restored after it)
+    retained: bool  # set once a backward keeps its graph (retain_graph, create_graph)
 
 
 class BackwardCalls:
@@ -47,8 +64,28 @@ class BackwardCalls:
         self.registered: tuple[Watcher, ...] = ()  # outermost first
         self.deaf: tuple[Watcher, ...] = ()  # registered, but not called now (``listen``)
         self.watchers: tuple[Watcher, ...] = ()  # those the wrapper calls: registered, not deaf
+        self.calling: tuple[tuple[Watcher, ...], tuple[Watcher, ...]] = ((), ())  # (``listen``)
         self.patches = _patches.Patches()
         self.wrappers: dict[int, tuple[Any, Any]] = {}  # id(original) -> (original, its wrapper)
+        self.counters: list[tuple[Passes, Any]] = []  # ``count``'s registrations, the first counted
+        self.counting: tuple[Passes, Any] | None = None  # (state, kind) the wrapper counts into
+
+    def count(self, state: Passes, kind: Any) -> None:
+        """Count each ``backward()`` from now on into ``state``: ``backwards`` moves, ``backward_kind``
+        is ``kind`` while it runs, ``retained`` set by one that keeps its graph (until ``uncount``)."""
+        if not self.counters and not self.patches.installed:
+            self.patches.install([self._patch()])
+        self.counters.append((state, kind))
+        self.counting = self.counters[0]
+
+    def uncount(self, state: Passes) -> None:
+        """One ``count`` registration of ``state`` ended (the last one out: counted no more)."""
+        index = next((i for i, (each, _) in enumerate(self.counters) if each is state), None)
+        if index is not None:
+            del self.counters[index]
+        self.counting = self.counters[0] if self.counters else None
+        if not self.counters and not self.registered:
+            self.patches.restore()
 
     def add(self, watcher: Watcher, listening: bool = True) -> None:
         """Watch every backward from now on, outermost (the wrapper put in place if it was not)."""
@@ -64,12 +101,13 @@ class BackwardCalls:
         deaf = tuple(each for each in self.deaf if each is not watcher)
         self.deaf = deaf if listening else (*deaf, watcher)
         self.watchers = tuple(each for each in self.registered if not any(each is d for d in self.deaf))
+        self.calling = (self.watchers, self.watchers[::-1])  # and innermost first, for their ``after``
 
     def remove(self, watcher: Watcher) -> None:
         """Stop watching (idempotent); the last one out puts the function back (``_patches``' rule)."""
         self.registered = tuple(each for each in self.registered if each is not watcher)
         self.listen(watcher, True)
-        if not self.registered:
+        if not self.registered and not self.counters:
             self.patches.restore()
 
     def _patch(self) -> tuple[Any, str, Any]:
@@ -81,41 +119,103 @@ class BackwardCalls:
         return torch.autograd, "backward", self.wrappers[id(original)][1]
 
     def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        calls, get_ident, compiling = self, threading.get_ident, torch.compiler.is_compiling
+        """The wrapper, with ``torch.autograd.backward``'s own parameters: a call binds them
+        directly (no ``*args, **kwargs`` tuple and dict built twice per step); the watchers get
+        them as one tuple (``args``, in that order) and no keywords."""
+        _check_parameters(original)
+        calls, get_ident, compiling, no_keywords = (
+            self,
+            threading.get_ident,
+            torch.compiler.is_compiling,
+            _NO_KEYWORDS,
+        )
 
-        def backward(*args: Any, **kwargs: Any) -> Any:
-            watchers = calls.watchers
-            if not watchers or compiling():  # traced by torch.compile: exactly the original
-                return original(*args, **kwargs)
+        def backward(
+            tensors: Any,
+            grad_tensors: Any = None,
+            retain_graph: Any = None,
+            create_graph: Any = False,
+            grad_variables: Any = None,
+            inputs: Any = None,
+        ) -> Any:
+            watchers, innermost_first = calls.calling  # (one read: a pass keeps the ones it began with)
+            counting = calls.counting
+            if (not watchers and counting is None) or compiling():  # traced: exactly the original
+                return original(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
+            args = (tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
             thread = get_ident()
-            pending = []  # (watcher, token) of those asking for ``after``, outermost first
+            tokens: list[Any] = []  # each watcher's, outermost first (``SKIP``: no ``after``)
             try:
                 for watcher in watchers:
-                    token = watcher.before(args, kwargs, thread)
-                    if token is not SKIP:
-                        pending.append((watcher, token))
-                result = original(*args, **kwargs)
+                    tokens.append(watcher.before(args, no_keywords, thread))
+                if counting is None:
+                    result = original(
+                        tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs
+                    )
+                else:  # (``count``: innermost, inline)
+                    state = counting[0]
+                    previous = state.backward_kind
+                    if (retain_graph or create_graph) and not state.retained:
+                        state.retained = (
+                            True  # (a later backward may go through the forwards this one reaches)
+                        )
+                    state.backwards += 1
+                    state.backward_kind = counting[1]
+                    try:
+                        result = original(
+                            tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs
+                        )
+                    finally:
+                        state.backward_kind = previous
             except BaseException:
-                _after(pending, args, kwargs)
+                _after(watchers, tokens, args, no_keywords)
                 raise
-            if pending:
-                entry = None
-                try:
-                    for entry in reversed(pending):  # innermost first
-                        entry[0].after(entry[1], args, kwargs, False)
-                except BaseException:
-                    _after(pending[: next(i for i, e in enumerate(pending) if e is entry)], args, kwargs)
-                    raise
+            try:
+                for watcher in innermost_first:
+                    token = tokens.pop()
+                    if token is not SKIP:
+                        watcher.after(token, args, no_keywords, False)
+            except BaseException:
+                _after(watchers, tokens, args, no_keywords)  # (those whose ``after`` did not run yet)
+                raise
             return result
 
         return backward
 
 
-def _after(pending: list[tuple[Watcher, Any]], args: tuple, kwargs: dict) -> None:
-    """After a pass that raised: each ``after`` asked for, innermost first; one that raises does not
-    keep the others from running (as nested ``finally`` blocks), the first error goes on."""
+#: The parameters of ``torch.autograd.backward`` the wrapper takes (every release since 1.8).
+PARAMETERS = ("tensors", "grad_tensors", "retain_graph", "create_graph", "grad_variables", "inputs")
+#: The watchers' ``kwargs``: the wrapper binds every argument to its parameter (read-only, shared).
+_NO_KEYWORDS: Any = types.MappingProxyType({})
+
+
+def _check_parameters(original: Callable[..., Any]) -> None:
+    """A TorchCompatibilityError where ``torch.autograd.backward`` takes other parameters."""
+    found = tuple(inspect.signature(original).parameters)
+    if found != PARAMETERS:
+        raise TorchCompatibilityError(
+            f"autoddp watches torch.autograd.backward{PARAMETERS}, and torch {torch.__version__}'s takes "
+            f"{found}: this torch release changed it. Use a torch version autoddp supports, or report "
+            "it to autoddp with this message"
+        )
+
+
+def keeps_graph(args: tuple, kwargs: dict) -> bool:
+    """Whether a ``torch.autograd.backward(tensors, grad_tensors, retain_graph, create_graph, ...)``
+    call keeps its graph (``Tensor.backward`` passes both flags by position)."""
+    retain = kwargs.get("retain_graph", args[2] if len(args) > 2 else None)
+    create = kwargs.get("create_graph", args[3] if len(args) > 3 else False)
+    return bool(retain) or bool(create)
+
+
+def _after(watchers: tuple[Watcher, ...], tokens: list[Any], args: tuple, kwargs: dict) -> None:
+    """After a pass that raised: the ``after`` of the first ``len(tokens)`` watchers that asked for
+    it, innermost first; one that raises does not keep the others from running (as nested
+    ``finally`` blocks), the first error goes on."""
     error: BaseException | None = None
-    for watcher, token in reversed(pending):
+    for watcher, token in reversed(list(zip(watchers, tokens, strict=False))):
+        if token is SKIP:
+            continue
         try:
             watcher.after(token, args, kwargs, True)
         except BaseException as exc:

@@ -563,6 +563,49 @@ def test_fake_tensors_hold_no_memory_and_the_watch_sees_each_operations_results(
     assert seen[0][1][0] is product and len(split) == 2 and split[0] is pair[0]
 
 
+@pytest.mark.unit
+def test_bare_forward_is_the_forward_only_where_module_call_would_run_it_alone():
+    from autoddp.core._compat.calls import bare_forward
+
+    class OwnCall(torch.nn.Linear):
+        def __call__(self, *args, **kwargs):
+            return super().__call__(*args, **kwargs)
+
+    layer = torch.nn.Linear(2, 2)
+    assert bare_forward(layer, type(layer)) == layer.forward
+    assert bare_forward(OwnCall(2, 2), OwnCall) is None  # a class with its own __call__
+    for register in ("register_forward_pre_hook", "register_forward_hook", "register_full_backward_hook"):
+        handle = getattr(layer, register)(lambda *args: None)
+        assert bare_forward(layer, type(layer)) is None, register
+        handle.remove()
+    for register in (
+        "register_module_forward_pre_hook",
+        "register_module_forward_hook",
+        "register_module_full_backward_hook",
+        "register_module_full_backward_pre_hook",
+    ):
+        handle = getattr(torch.nn.modules.module, register)(lambda *args: None)
+        assert bare_forward(layer, type(layer)) is None, register
+        handle.remove()
+    assert bare_forward(layer, type(layer)) == layer.forward
+    layer.compile()  # (Module.compile(): its compiled call, lazily built, is what runs)
+    assert bare_forward(layer, type(layer)) is None
+    plain = torch.nn.Linear(2, 2)
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = plain
+
+        def forward(self, x):
+            seen.append(bare_forward(self.inner, type(self.inner)))
+            return self.inner(x)
+
+    torch.jit.trace(Probe(), torch.ones(1, 2), check_trace=False)  # traced: torch's call records it
+    assert seen == [None]
+
+
 def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 

@@ -203,6 +203,35 @@ def test_ordinary_steps_are_left_to_ddp_alone():
     assert messages == []
 
 
+def _hooked(rank: int, world: int) -> nn.Module:
+    x, y = _share(rank, world)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = None
+    for step in range(5):
+        if step == 1:  # the model's own hook, added after a step without any
+            model.register_forward_hook(lambda module, args, out: out * 2)
+        elif step == 2:  # a global one, for the model's calls (DDP's own calls too: it lets them be)
+            handle = nn.modules.module.register_module_forward_hook(
+                lambda module, args, out: out + 1 if module is model else None
+            )
+        elif step == 4 and handle is not None:
+            handle.remove()
+        opt.zero_grad()
+        (model(x) - y).pow(2).mean().backward()
+        opt.step()
+    return model
+
+
+def test_hooks_on_the_model_and_global_ones_run_as_in_one_process():
+    """The routing calls DDP's forward and the module's directly only where Module.__call__ would
+    run nothing else: a hook of the model's, or a global one, added at any step, still runs."""
+    everyone, messages = _run(_hooked)
+    assert torch.equal(everyone[0], everyone[1])
+    torch.testing.assert_close(everyone[0], _flat(_hooked(0, 1)), rtol=1e-5, atol=1e-6)
+    assert messages == []
+
+
 def test_an_optimizer_stepped_inside_the_backward_pass_steps_on_averaged_gradients():
     _check(_stepped_in_backward, "inside the backward pass")
 

@@ -201,8 +201,15 @@ def test_on_cuda_a_sync_collective_and_ddps_backward_wait_until_their_stream_eve
     on_gpu = types.SimpleNamespace(is_cuda=True)  # a CUDA tensor, as far as the marks look
     all_reduce = marks._collective(record.NAMES.index("all_reduce"), lambda tensor: None)
     calls = _backward.BackwardCalls()  # (the one wrapper of torch.autograd.backward, marks watching)
-    calls.watchers = (marks,)
-    backward = calls._wrap(lambda tensors: None)
+    calls.registered = (marks,)
+    calls.listen(marks, True)
+
+    def queued(
+        tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None, inputs=None
+    ):
+        return None  # (torch.autograd.backward's parameters: the wrapper takes them)
+
+    backward = calls._wrap(queued)
     all_reduce(on_gpu)  # returned at once, as NCCL's all_reduce does once queued
     backward(on_gpu)  # as DDP's backward() returns with its all-reduce queued
     assert FakeEvent.recorded == 2 and len(marks.pending.tokens) == 2

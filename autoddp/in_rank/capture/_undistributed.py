@@ -39,7 +39,10 @@ class Undistributed:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.backward_checked = False
-        self.step_checked = False
+        #: True while an optimizer step has something to check (after the first, rarely): a plain
+        #: attribute, read at every step (``_recheck`` keeps it after each change of what it reads).
+        self.at_step = True
+        self._step_checked = False
         #: A pass over a sharded loader has run (or the data is given out by rank some other way).
         self.data_shared = False
         #: Sites of loaders left whole because they are in order (``shuffle=False``).
@@ -53,11 +56,12 @@ class Undistributed:
         """A pass over a loader began: whole while gradients are on (at ``whole_site``), or not."""
         if whole_site is None:
             self.whole_pass = None
-            return
-        try:
-            self.whole_pass = (whole_site, weakref.ref(iterator))
-        except TypeError:  # an iterator that takes no weak reference: held until the next pass
-            self.whole_pass = (whole_site, lambda: iterator)
+        else:
+            try:
+                self.whole_pass = (whole_site, weakref.ref(iterator))
+            except TypeError:  # an iterator that takes no weak reference: held until the next pass
+                self.whole_pass = (whole_site, lambda: iterator)
+        self._recheck()
 
     def _in_whole_pass(self) -> Site | None:
         """The site of the whole pass still running (its iterator alive and not exhausted)."""
@@ -115,9 +119,17 @@ class Undistributed:
             )
 
     @property
-    def at_step(self) -> bool:
-        """True while an optimizer step has something to check (after the first, rarely)."""
-        return not self.step_checked or (self.whole_pass is not None and not self._warned_whole)
+    def step_checked(self) -> bool:
+        """Whether the first optimizer step checked the data."""
+        return self._step_checked
+
+    @step_checked.setter
+    def step_checked(self, checked: bool) -> None:
+        self._step_checked = checked
+        self._recheck()
+
+    def _recheck(self) -> None:
+        self.at_step = not self._step_checked or (self.whole_pass is not None and not self._warned_whole)
 
     def before_step(self, notice: Notice | None, site: Site, closure: bool = False) -> None:
         """At an optimizer step: the first one checks the data; any one checks a whole pass.
@@ -133,6 +145,7 @@ class Undistributed:
         split = any(state is True for _, state in decided)
         if whole is not None:
             self._warned_whole = True
+            self._recheck()
             what = (
                 ": each process loads every batch, and the model splits it at its call"
                 if split

@@ -2,7 +2,7 @@
 and what reads gradients before a step (``clip_grad_norm_``, ``GradScaler.unscale_``).
 
 The first ``backward()`` checks the loss and, with no optimizer made yet, which models it trains by
-hand; each ``backward()`` and ``grad()`` is counted (``models.Counting``, ``models.counted``); a
+hand; each ``backward()`` and ``grad()`` is counted (``core._backward``'s ``count``, ``models.counted``); a
 step says what could not be distributed (``_undistributed``); a user's own
 ``DistributedDataParallel`` takes over from autoddp's, so that a model is never wrapped twice, and
 counts as a model in training for the passes of the loaders (a framework's: Lightning's strategy
@@ -53,7 +53,6 @@ class Steps:
         self._handles: list[Any] = []
         self.own_ddp: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # the user's own DDP models
         self.accumulation_said = False
-        self._counting = models.Counting()  # (each backward() counted, for the averaging guard)
 
     def install(self) -> None:
         if not self.session.script or _bound_by_name(torch.autograd.backward, torch.autograd.grad):
@@ -67,7 +66,7 @@ class Steps:
             *((owner, name, self._reading) for owner, name in _GRADIENT_READERS if hasattr(owner, name)),
         ]
         self._patches.install(_patches.wrapping(owner, name, make) for owner, name, make in patches)
-        _backward.CALLS.add(self._counting)  # (inside capture's own watcher, as the wrappers nested)
+        _backward.CALLS.count(CURRENT, models.BACKWARD)  # (each backward() counted, for the averaging guard)
         _backward.CALLS.add(self)
 
     def install_step_hook(self) -> None:
@@ -76,7 +75,7 @@ class Steps:
 
     def uninstall(self) -> None:
         _backward.CALLS.remove(self)
-        _backward.CALLS.remove(self._counting)
+        _backward.CALLS.uncount(CURRENT)
         self._patches.restore()
 
     def remove_step_hook(self) -> None:

@@ -58,6 +58,13 @@ class _Guard:
                 self.seen.append((replica.forwards, replica.bypasses))
 
     def __call__(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        if len(args) == 1 and not kwargs and CURRENT.backward_kind != _reduction.BACKWARD:
+            self.check()  # the usual step: ``step()``, no closure, outside a backward pass
+            return None
+        return self._step(opt, args, kwargs)
+
+    def _step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        """``__call__`` of a step with a closure, or inside a backward pass."""
         if CURRENT.backward_kind == _reduction.BACKWARD:  # a step from a hook: DDP has not averaged yet
             params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
             if self.models and _mean.average(params):
@@ -93,8 +100,13 @@ class _Guard:
                 and not (ledger.blind and CURRENT.retained)
             ):  # the usual step, DDP averaged all of it: ``_check``'s outcome without its work
                 ledger.blind = False  # (``ledger.take()``, which finds nothing)
-                if replica.window is not None:
-                    replica.window.stepped(now)
+                window = replica.window
+                if window is None:
+                    pass
+                elif window.length == 1 and now - window.at_step == 1:  # (``stepped``'s usual step, inline)
+                    window.at_step, window.boundary, window.candidate = now, 0, 0
+                else:
+                    window.stepped(now)
                 seen[index] = (now, bypasses)
             else:
                 self._check(index, model, replica, forwards, bypasses)
@@ -224,7 +236,7 @@ def guard(optimizer: torch.optim.Optimizer, models: list[torch.nn.Module]) -> No
     hook.add(models, optimizer)
     if not hook.models and not hook.sharded:
         return
-    optimizer.register_step_pre_hook(hook)
+    optimizer.register_step_pre_hook(hook.__call__)  # (a bound method: a cheaper call than the instance)
     optimizer.__dict__[_GUARDED] = hook
 
 

@@ -3,8 +3,8 @@
 DDP averages the gradients of one backward pass after each forward through it (the first one that
 accumulates into ``.grad``). Gradients that reach ``.grad`` otherwise are this process's own: a
 second backward through the same forward (``retain_graph=True``), or ``torch.autograd.grad``'s
-results assigned to ``.grad`` by hand. Capture counts ``torch.autograd.backward`` calls (a
-``Counting`` watcher of ``core._backward``) and ``grad`` calls (``counted``), in ``CURRENT``; a
+results assigned to ``.grad`` by hand. Capture counts ``torch.autograd.backward`` calls (``core._backward``'s
+``count``, with ``BACKWARD``) and ``grad`` calls (``counted``), in ``CURRENT``; a
 forward through a guarded model's DDP hooks its outputs (``Ledger.forwarded``), so that a pass
 reaching them tells whether DDP averages it; the guard (``_averaging``) averages at ``step()`` when
 one did not, or when a step runs inside a backward pass (before DDP's all-reduce has finished). A
@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from autoddp.core import _backward
 from autoddp.core.state import CURRENT
 from autoddp.in_rank.models._routing import on_backward
 
@@ -48,7 +49,7 @@ def counted(original: Callable[..., Any], accumulates: bool = True) -> Callable[
 
     def call(*args: Any, **kwargs: Any) -> Any:
         previous = CURRENT.backward_kind
-        if not CURRENT.retained and (not accumulates or _keeps_graph(args, kwargs)):
+        if not CURRENT.retained and (not accumulates or _backward.keeps_graph(args, kwargs)):
             CURRENT.retained = True  # (a later backward may go through the forwards this one reaches)
         CURRENT.backwards += 1
         CURRENT.backward_kind = kind
@@ -58,33 +59,6 @@ def counted(original: Callable[..., Any], accumulates: bool = True) -> Callable[
             CURRENT.backward_kind = previous
 
     return call
-
-
-class Counting:
-    """Each ``torch.autograd.backward`` said in ``CURRENT`` while it runs (``counted``'s, for the one
-    wrapper of ``core._backward``: no frame of its own on a step's path)."""
-
-    def before(self, args: tuple, kwargs: dict, thread: int) -> str | None:
-        current = CURRENT
-        previous = current.backward_kind
-        if not current.retained and (any(args[2:4]) or "retain_graph" in kwargs or "create_graph" in kwargs):
-            # (a later backward may go through the forwards this one reaches; ``Tensor.backward``
-            # passes both flags by position: looked at cheaply first, the path of every step)
-            current.retained = _keeps_graph(args, kwargs)
-        current.backwards += 1
-        current.backward_kind = BACKWARD
-        return previous
-
-    def after(self, previous: str | None, args: tuple, kwargs: dict, raised: bool) -> None:
-        CURRENT.backward_kind = previous
-
-
-def _keeps_graph(args: tuple, kwargs: dict) -> bool:
-    """Whether a ``torch.autograd.backward(tensors, grad_tensors, retain_graph, create_graph, ...)``
-    call keeps its graph (``Tensor.backward`` passes both flags by position)."""
-    retain = kwargs.get("retain_graph", args[2] if len(args) > 2 else None)
-    create = kwargs.get("create_graph", args[3] if len(args) > 3 else False)
-    return bool(retain) or bool(create)
 
 
 def stepping_in_backward() -> bool:

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from autoddp.core import _class_swap, _compat, _containers, _patches, _warn
+from autoddp.core._compat.calls import bare_forward
 from autoddp.core.state import CURRENT
 from autoddp.in_rank.models import _at_call, _split
 
@@ -56,6 +57,10 @@ class Replica(Protocol):
     updated_buffers: Any
     #: ``CURRENT.parameter_events`` up to which ``for_call`` has nothing to do (the DDP is current).
     ready: int
+    #: Gradient accumulation's window (``_window.Window``; None: not guarded by capture), and whether
+    #: the DDP may defer a synchronisation at all (``defers``, inline on a step's path).
+    window: Any
+    deferrable: bool
 
     def for_call(
         self, module: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
@@ -70,11 +75,21 @@ class Replica(Protocol):
     def watch_submodules(self, module: torch.nn.Module) -> None: ...
 
 
-class _Routing(threading.local):
-    """Per-thread state of the call routing: inside DDP's forward, and how many DDP calls ran."""
+class _Thread:
+    """One thread's state of the call routing: inside DDP's forward, and how many DDP calls ran."""
 
-    inside = False
-    calls = 0
+    __slots__ = ("calls", "inside")
+
+    def __init__(self) -> None:
+        self.inside = False
+        self.calls = 0
+
+
+class _Routing(threading.local):
+    """Each thread's ``_Thread`` (one thread-local read per call: its attributes are plain slots)."""
+
+    def __init__(self) -> None:
+        self.here = _Thread()
 
 
 _ROUTING = _Routing()
@@ -88,10 +103,12 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             # After DDP's buffer broadcast, which bumps every buffer's version on some torch
             # releases (2.4), so only the forward's updates count.
             return replica.updated_buffers.around(self, plain.__call__, args, kwargs)
-        return plain.__call__(self, *args, **kwargs)
+        forward = bare_forward(self, plain)  # (no hook: ``forward`` without Module.__call__'s frames)
+        return plain.__call__(self, *args, **kwargs) if forward is None else forward(*args, **kwargs)
     if torch.compiler.is_compiling():  # traced: a torch.compile result made after the wrapping
         return torch.compiler.disable(_adopt_compile)(self, args, kwargs)
-    if replica is None or _ROUTING.inside or not torch.is_grad_enabled():
+    routing = _ROUTING.here
+    if replica is None or routing.inside or not torch.is_grad_enabled():
         return getattr(type(self), _class_swap.PLAIN_CLASS).__call__(self, *args, **kwargs)
     current = CURRENT
     if replica.ready == current.parameter_events:  # nothing changed since the DDP was found current
@@ -103,19 +120,31 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     parts = None if current.sharded_data else _at_call.parts(replica, self, args, kwargs)
     if parts is not None:  # a batch drawn by hand: this rank's rows (``_at_call``)
         args, kwargs = _at_call.local_arguments(args, kwargs, parts)
-    _ROUTING.inside = replica.inside = True
-    _ROUTING.calls += 1
+    routing.inside = replica.inside = True
+    routing.calls += 1
     replica.forwards += 1
     try:
         if parts is not None:  # its own random numbers for its rows (dropout), the caller's alike
             with _at_call.own_noise(parts, replica.forwards):
                 result, synced = _forward(replica, ddp, args, kwargs)
-        elif replica.watched and replica.defers(ddp):  # (``_forward``, inline: every step's path)
+        elif (  # (``_forward`` and ``replica.defers``, inline: every step's path)
+            replica.watched
+            and replica.window is not None
+            and replica.deferrable
+            and ddp.require_backward_grad_sync  # (the user's own no_sync stays as it is)
+            and replica.window.defers(replica.forwards)
+        ):
             result, synced = _deferred(ddp, args, kwargs), False
         else:
-            result, synced = ddp(*args, **kwargs), ddp.require_backward_grad_sync
+            forward = bare_forward(ddp, type(ddp))  # (no hook: DDP's forward without its frames)
+            result = ddp(*args, **kwargs) if forward is None else forward(*args, **kwargs)
+            synced = ddp.require_backward_grad_sync
         if replica.watched:  # an optimizer's guard reads which backward passes DDP averaged
-            replica.reduction.forwarded(result, synced)
+            ledger = replica.reduction
+            if synced and not current.retained and ledger.unreduced is None:
+                ledger.pending = ledger.blind = True  # (``ledger.forwarded``'s usual step, inline)
+            else:
+                ledger.forwarded(result, synced)
         if current.split_weight is not None:  # split_batches: this rank's part weighs its share
             _split.weigh(result, current.split_weight)
         if parts is not None:
@@ -127,7 +156,7 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             raise
         raise explained from error
     finally:
-        _ROUTING.inside = replica.inside = False
+        routing.inside = replica.inside = False
 
 
 def _forward(replica: Replica, ddp: Any, args: tuple, kwargs: dict) -> tuple[Any, bool]:
@@ -209,11 +238,12 @@ def _watched(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(method)
     def watched(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if _ROUTING.inside or not torch.is_grad_enabled() or DDP_ATTR not in self.__dict__:
+        routing = _ROUTING.here
+        if routing.inside or not torch.is_grad_enabled() or DDP_ATTR not in self.__dict__:
             return method(self, *args, **kwargs)
-        calls = _ROUTING.calls
+        calls = routing.calls
         result = method(self, *args, **kwargs)
-        if _ROUTING.calls == calls and _carries_grad(result):
+        if routing.calls == calls and _carries_grad(result):
             _warn.warn(
                 f"{type(self).__name__}.{name}() computed a result with gradients without calling the "
                 f"model itself, so DDP did not see it: those gradients are averaged across processes "
