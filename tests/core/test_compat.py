@@ -588,7 +588,7 @@ def test_bare_forward_is_the_forward_only_where_module_call_would_run_it_alone()
         assert bare_forward(layer, type(layer)) is None, register
         handle.remove()
     assert bare_forward(layer, type(layer)) == layer.forward
-    layer.compile()  # (Module.compile(): its compiled call, lazily built, is what runs)
+    layer.compile(backend="eager")  # (Module.compile(): its compiled call, lazily built, is what runs)
     assert bare_forward(layer, type(layer)) is None
     plain = torch.nn.Linear(2, 2)
     seen = []
