@@ -306,14 +306,19 @@ def results(both):
     return both[0]
 
 
-def test_sharpness_aware_minimisation_reads_averaged_gradients(both):
-    """Two backward passes per step whose first one's gradients move the weights: no accumulation,
-    so nothing is deferred (the weights change inside the window), and every norm is one process's."""
-    norms, weights = both[2]
+def _equal_to_sam_alone(found: tuple) -> None:
+    """``_train_sam``'s norms and weights (``found``) are one process's."""
+    norms, weights = found
     reference_norms, reference = _train_sam(None)
     assert norms == pytest.approx(reference_norms, rel=1e-5)
     for ours, theirs in zip(weights, reference, strict=True):
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+
+
+def test_sharpness_aware_minimisation_reads_averaged_gradients(both):
+    """Two backward passes per step whose first one's gradients move the weights: no accumulation,
+    so nothing is deferred (the weights change inside the window), and every norm is one process's."""
+    _equal_to_sam_alone(both[2])
 
 
 def test_two_models_with_two_optimizers_keep_one_process_weights(both):
@@ -492,11 +497,7 @@ def test_fsdp_two_models_and_zero_grad_drop_what_was_deferred(sharded):
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
     for ours, theirs in zip(sharded[3], _train_gan_zeroing_late(None), strict=True):  # (zero_grad late)
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
-    norms, weights = sharded[2]
-    reference_norms, reference = _train_sam(None)
-    assert norms == pytest.approx(reference_norms, rel=1e-5)
-    for ours, theirs in zip(weights, reference, strict=True):
-        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+    _equal_to_sam_alone(sharded[2])
 
 
 def test_fsdp_a_forward_no_backward_follows_before_the_step_keeps_one_process_weights(sharded):
