@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 
 from autoddp.core import _variables
 from autoddp.core.environment import LOOPBACK, hardware
@@ -41,6 +42,13 @@ TORCHRUN_VARIABLES = (
 
 #: torchrun's ``--role`` default: the ``ROLE_NAME`` its workers see.
 DEFAULT_ROLE = "default"
+
+#: torch's own switch for a store-based barrier at the end of ``init_process_group`` and
+#: ``new_group``: without it a rank whose side of gloo's mesh is connected returns at once, and a
+#: script that makes its group and ends (each rank working on its own) can close its sockets while
+#: another rank is still connecting, which fails there with gloo's "Connection closed by peer"
+#: (rarely, and more on a loaded machine). A value the user set is kept.
+GROUP_BARRIER = {"TORCH_DIST_INIT_BARRIER": "1"}
 
 #: The signals the launcher stops every worker on (torchrun's default list, which autoddp's handles).
 SIGNALS_HANDLED = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
@@ -89,4 +97,10 @@ def worker_envs(
     handling = "TORCH_NCCL_ASYNC_ERROR_HANDLING"  # torchrun's 1 without GPUs, as elastic's agent gives it
     common.setdefault(handling, os.environ.get(handling, "1"))
     common.update(side_gloo_variables(os.environ, gpus))  # gloo beside NCCL connects when first used
+    common.update(group_barrier(os.environ))
     return {r: {**common, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)} for r in range(nproc)}
+
+
+def group_barrier(environ: Mapping[str, str]) -> dict[str, str]:
+    """``GROUP_BARRIER`` for the workers, less what the user set."""
+    return {name: value for name, value in GROUP_BARRIER.items() if name not in environ}

@@ -24,7 +24,7 @@ from autoddp.in_rank.hang import record as hang_record
 from autoddp.in_rank.run_folder import transport
 from autoddp.in_rank.worker.running import Job
 from autoddp.launch import diagnostics, failures, meeting
-from autoddp.launch.contract import DEFAULT_ROLE
+from autoddp.launch.contract import DEFAULT_ROLE, GROUP_BARRIER
 from autoddp.launch.hang.combine import Exchange
 from autoddp.launch.hang.watch import Watch
 from autoddp.launch.output import Output, announce_exit, show_hidden_output
@@ -96,7 +96,7 @@ def run_agent(
         say(_start_line(nodes, nproc, net))
         gpus = hardware.gpu_count()
         with hang_record.folder() as records, diagnostics.node_traces(os.environ, nodes.run_id, gpus) as nccl:
-            variables = {**net.variables, **nccl, **side_gloo_variables(os.environ, gpus)}
+            variables = {**net.variables, **nccl, **side_gloo_variables(os.environ, gpus), **GROUP_BARRIER}
             if hang_report > 0:
                 variables[_variables.HANG_FOLDER] = records
             # where a worker reports its error, and whether the launcher prefixes its lines

@@ -27,11 +27,12 @@ def test_two_command_launchers_form_one_world(tmp_path, monkeypatch):
     script = write(
         tmp_path / "job.py",
         """
-        import sys, torch, torch.distributed as dist
+        import os, sys, torch, torch.distributed as dist
         dist.init_process_group("gloo")
         t = torch.ones(1) * (dist.get_rank() + 1)
         dist.all_reduce(t)
-        sys.stdout.write(f"rank={dist.get_rank()} world={dist.get_world_size()} sum={t.item()}\\n")
+        barrier = os.environ.get("TORCH_DIST_INIT_BARRIER")
+        sys.stdout.write(f"rank={dist.get_rank()} world={dist.get_world_size()} sum={t.item()} {barrier}\\n")
         """,
     )
     master = f"127.0.0.1:{free_port()}"
@@ -59,7 +60,7 @@ def test_two_command_launchers_form_one_world(tmp_path, monkeypatch):
     )
     lines = sorted(out.strip() for _, out, _ in results)
     assert all(p.returncode == 0 for p, _, _ in results), [e for _, _, e in results]
-    assert lines == ["rank=0 world=2 sum=3.0", "rank=1 world=2 sum=3.0"]
+    assert lines == ["rank=0 world=2 sum=3.0 1", "rank=1 world=2 sum=3.0 1"]  # torch's init barrier: on
     for node, (_, _, err) in enumerate(results):  # the start-up line: where, and which interface
         assert f"autoddp: node {node} of 2, 1 worker(s) here, static rendezvous at {master}" in err
         assert "network interface lo (127.0.0.1), the one that routes to 127.0.0.1" in err

@@ -205,6 +205,35 @@ def test_one_process_is_said_unless_quiet_and_rdzv_conf_reaches_the_rendezvous(t
     assert "did not all join the rendezvous" in waited.stderr.splitlines()[-1] and "(3 s)" in waited.stderr
 
 
+#: A script whose ranks make the group and work on their own: nothing collective follows.
+ON_ITS_OWN = """
+import os, sys, torch.distributed as dist
+dist.init_process_group("gloo")
+with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}"), "w") as f:
+    f.write(str(os.environ.get("TORCH_DIST_INIT_BARRIER")))
+"""
+
+
+def test_a_group_made_and_left_at_once_ends_well_with_torchs_init_barrier(tmp_path, monkeypatch):
+    """Without torch's barrier at the end of ``init_process_group`` a rank can end and close its
+    sockets while another still connects (gloo's "Connection closed by peer", rarely); the
+    workers get it unless the user set it."""
+    script = write(tmp_path / "own.py", ON_ITS_OWN)
+    monkeypatch.delenv("TORCH_DIST_INIT_BARRIER", raising=False)
+
+    def seen(*flags: str) -> list[str]:
+        for name in ("rank0", "rank1"):
+            (tmp_path / name).unlink(missing_ok=True)
+        done = run_python(["-m", "autoddp.cli", "-n", "2", *flags, str(script), str(tmp_path)])
+        assert done.returncode == 0, done.stderr
+        return [(tmp_path / name).read_text() for name in ("rank0", "rank1")]
+
+    for _ in range(3):
+        assert seen("--no-capture") == ["1", "1"]
+    monkeypatch.setenv("TORCH_DIST_INIT_BARRIER", "0")
+    assert seen() == ["0", "0"]
+
+
 def test_env_describes_what_the_command_would_do_here(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     done = CliRunner().invoke(main, ["-n", "2", "env"])
