@@ -666,6 +666,35 @@ def _defined_by_autoddp(package) -> set[str]:
 
 
 @pytest.mark.unit
+def test_the_engine_call_runs_every_backward_and_grad_whatever_name_reached_them(monkeypatch):
+    """``engine.engine_call``: ``backward`` and ``grad`` both run their pass through it, also under a
+    name bound before it was replaced, saying whether the pass accumulates and keeps its graph."""
+    from torch.autograd import backward as bound_backward
+    from torch.autograd import grad as bound_grad
+
+    from autoddp.core._compat import engine
+
+    owner, name = engine.engine_call()
+    original, seen = getattr(owner, name), []
+
+    def recording(outputs, *args, **kwargs):
+        seen.append((engine.accumulates(kwargs), engine.keeps_graph(args)))
+        return original(outputs, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, recording)
+    x = torch.ones(2, requires_grad=True)
+    (x * 2).sum().backward()
+    bound_grad((x * 3).sum(), x)
+    bound_backward((x * 4).sum(), retain_graph=True)
+    torch.autograd.grad((x * 5).sum(), x, create_graph=True)
+    torch.autograd.grad((x * 6).sum(), x, retain_graph=True)
+    assert seen == [(True, False), (False, False), (True, True), (False, True), (False, True)]
+    monkeypatch.setattr(owner, name, original)
+    monkeypatch.delattr(owner, name)
+    with pytest.raises(TorchCompatibilityError, match="_engine_run_backward"):
+        engine.engine_call()
+
+
 def test_private_names_are_reached_from_compat_only_and_listed_there():
     """The inventory in ``_compat.names`` is the code's: every private torch (or CPython) name is
     used in ``autoddp/core/_compat`` only, each one used there is listed, and each listed is used."""

@@ -77,6 +77,19 @@ def _two_backwards(rank: int, world: int, steps: int = 6) -> nn.Module:
     return model
 
 
+def _two_backwards_by_a_bound_name(rank: int, world: int, backward=torch.autograd.backward) -> nn.Module:
+    x, y = _share(rank, world)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(4):
+        opt.zero_grad()
+        out = model(x)
+        backward((out - y).pow(2).mean(), retain_graph=True)  # (the default: as imported, unpatched)
+        backward(out.abs().mean())
+        opt.step()  # STEP LINE
+    return model
+
+
 @dataclasses.dataclass
 class Output:
     prediction: torch.Tensor
@@ -190,6 +203,10 @@ def test_gradients_from_autograd_grad_put_into_grad_by_hand_are_averaged_and_sai
 
 def test_a_second_backward_through_one_forward_is_averaged_and_said():
     _check(_two_backwards, "retain_graph=True")
+
+
+def test_a_second_backward_under_a_name_bound_before_the_call_is_averaged_and_said():
+    _check(_two_backwards_by_a_bound_name, "retain_graph=True")
 
 
 def test_a_second_backward_through_a_forward_returning_a_dataclass_is_averaged_and_said():
@@ -319,8 +336,9 @@ def test_under_the_command_gradients_ddp_did_not_average_are_averaged_from_the_f
 
 
 def test_a_grad_bound_by_name_outside_torch_is_found(monkeypatch):
-    """What keeps capture hooking every forward where a script's names were bound before it: a
-    module holding torch's ``grad`` or ``backward`` under a name of its own."""
+    """What makes capture count the passes at torch's engine call (``models.uncounted``) where a
+    script's names were bound before it: a module holding torch's ``grad`` or ``backward`` under a
+    name of its own."""
     import sys
     import types
 

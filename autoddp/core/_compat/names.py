@@ -26,6 +26,8 @@ PRIVATE = {
     "torch.distributed.elastic.multiprocessing.api.MultiprocessContext._pc": "forked workers' exit codes",
     "torch.utils.data.DataLoader._iterator": "the iterator persistent workers keep between passes",
     "torch.utils.data.dataloader._BaseDataLoaderIter": "iterators' base: the step report times __next__",
+    "torch.autograd._engine_run_backward": "the engine call of backward() and grad(): passes under names "
+    "bound before capture, counted",
     "torch.autograd.Variable._execution_engine": "queue_callback: the step report sees a backward's work end",
     "torch.utils.data.dataloader._BaseDataLoaderIter._index_sampler": "the order of a kept iterator's pass",
     "torch.utils.data.dataloader._BaseDataLoaderIter._num_yielded": "the batches a pass has yielded",

@@ -20,6 +20,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autoddp.core import _backward, _patches
+from autoddp.core._compat import engine
 from autoddp.core.state import CURRENT
 from autoddp.in_rank import models
 from autoddp.in_rank.capture._notice import where
@@ -55,16 +56,16 @@ class Steps:
         self.accumulation_said = False
 
     def install(self) -> None:
-        if not self.session.script or _bound_by_name(torch.autograd.backward, torch.autograd.grad):
-            # Calls under a name bound before capture are not counted (a default argument
-            # `grad=torch.autograd.grad` of a function defined before the decorated call included):
-            # every forward is hooked, as for a backward that keeps its graph (``models._reduction``).
-            CURRENT.retained = True
         patches = [
             (torch.nn.parallel.DistributedDataParallel, "__init__", self._ddp_init),
             (torch.autograd, "grad", lambda original: models.counted(original, accumulates=False)),
             *((owner, name, self._reading) for owner, name in _GRADIENT_READERS if hasattr(owner, name)),
         ]
+        if not self.session.script or _bound_by_name(torch.autograd.backward, torch.autograd.grad):
+            # Calls under a name bound before capture reach no wrapper (a default argument
+            # `grad=torch.autograd.grad` of a function defined before the decorated call included):
+            # their passes are counted where torch runs them (``models.uncounted``).
+            patches.append((*engine.engine_call(), models.uncounted))
         self._patches.install(_patches.wrapping(owner, name, make) for owner, name, make in patches)
         _backward.CALLS.count(CURRENT, models.BACKWARD)  # (each backward() counted, for the averaging guard)
         _backward.CALLS.add(self)

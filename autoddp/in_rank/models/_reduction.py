@@ -4,7 +4,8 @@ DDP averages the gradients of one backward pass after each forward through it (t
 accumulates into ``.grad``). Gradients that reach ``.grad`` otherwise are this process's own: a
 second backward through the same forward (``retain_graph=True``), or ``torch.autograd.grad``'s
 results assigned to ``.grad`` by hand. Capture counts ``torch.autograd.backward`` calls (``core._backward``'s
-``count``, with ``BACKWARD``) and ``grad`` calls (``counted``), in ``CURRENT``; a
+``count``, with ``BACKWARD``) and ``grad`` calls (``counted``), in ``CURRENT``, and where names bound
+before it exist, the passes run under them (``uncounted``, at torch's engine call); a
 forward through a guarded model's DDP hooks its outputs (``Ledger.forwarded``), so that a pass
 reaching them tells whether DDP averages it; the guard (``_averaging``) averages at ``step()`` when
 one did not, or when a step runs inside a backward pass (before DDP's all-reduce has finished). A
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from autoddp.core import _backward
+from autoddp.core._compat import engine
 from autoddp.core.state import CURRENT
 from autoddp.in_rank.models._routing import on_backward
 
@@ -59,6 +61,29 @@ def counted(original: Callable[..., Any], accumulates: bool = True) -> Callable[
             CURRENT.backward_kind = previous
 
     return call
+
+
+def uncounted(original: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's engine call (``core._compat.engine``) that counts, as ``counted`` does, the passes no
+    wrapper counted: ``backward`` or ``grad`` called by a name bound before capture replaced them
+    (a decorated function's module imported them first). Installed only where such names exist,
+    so that no output needs a hook for them; counted calls go straight through."""
+    compiling = torch.compiler.is_compiling
+
+    def run(outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if CURRENT.backward_kind is not None or compiling():  # counted already, or traced
+            return original(outputs, *args, **kwargs)
+        accumulates = engine.accumulates(kwargs)
+        if not CURRENT.retained and (not accumulates or engine.keeps_graph(args)):
+            CURRENT.retained = True  # (a later backward may go through the forwards this one reaches)
+        CURRENT.backwards += 1
+        CURRENT.backward_kind = BACKWARD if accumulates else GRAD
+        try:
+            return original(outputs, *args, **kwargs)
+        finally:
+            CURRENT.backward_kind = None
+
+    return run
 
 
 def stepping_in_backward() -> bool:
