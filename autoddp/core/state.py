@@ -118,14 +118,16 @@ class Run:
         self.training_pass: tuple[Any, int] | None = None
         #: The gradient-accumulation window last learned longer than one backward (0: none yet).
         self.accumulating = 0
+        #: (window, why) of the first sharded model found accumulating whose reduce-scatters cannot
+        #: be deferred (``models._deferral``): every backward synchronises, and capture says why.
+        self.undeferred: tuple[int, str] | None = None
         #: torch.autograd.backward and .grad calls begun under capture, and the kind running now
         #: ("backward": accumulating into .grad; "grad": returning gradients; None): the step's
         #: averaging guard tells one backward from the next and sees an optimizer step inside one.
         self.backwards = 0
         self.backward_kind: str | None = None
         #: A backward that keeps its graph (``retain_graph``, ``create_graph``) or a ``grad`` call has
-        #: run under capture (or such a function is bound by name where capture cannot count it):
-        #: from then on every forward's outputs are hooked (``models._reduction``).
+        #: run under capture: from then on every forward's outputs are hooked (``models._reduction``).
         self.retained = False
         #: What strategy="auto" decided in the current world (None: nothing yet).
         self.planned: Planned | None = None

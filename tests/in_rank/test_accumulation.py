@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import textwrap
 
 import pytest
@@ -445,11 +446,16 @@ def test_an_unchanged_script_under_the_command_synchronises_once_per_step(tmp_pa
     assert ran.returncode == 0, ran.stderr
     theirs = json.loads(alone.stdout.split("RESULT ", 1)[1])
     ours = json.loads(ran.stdout.split("RESULT ", 1)[1])
+    said = " ".join(ran.stderr.split())
     if "fsdp" in flags:  # one synchronisation: a reduce-scatter per block (2 Linear layers), no more
         assert ours["syncs"][1:] == [2] * 5, ours["syncs"]
+        assert "the gradients are synchronised once per step" in said, said
     elif flags == _NO_ROOM:  # every backward reduce-scatters (windows of 4, 4, 2 batches an epoch)
         assert "FSDP across 2 processes" in ran.stderr, ran.stderr
         assert ours["syncs"][1:] == [2 * k for k in (4, 2, 4, 4, 2)], ours["syncs"]
+        assert "4 backward passes per optimizer.step() at accumulate.py:" in said, said
+        assert "under FSDP each one reduce-scatters its gradients" in said and "synchronised once" not in said
+        assert re.search(r"twice [0-9.]+ \w*B, more than the [0-9.]+ \w*B this process has left", said), said
     else:  # (the first step also holds capture's own first-step agreement between the ranks)
         assert ours["counts"][1:] == [1] * 5, ours["counts"]
     for a, b in zip(ours["weights"], theirs["weights"], strict=True):

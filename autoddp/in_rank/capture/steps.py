@@ -54,6 +54,7 @@ class Steps:
         self._handles: list[Any] = []
         self.own_ddp: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # the user's own DDP models
         self.accumulation_said = False
+        self.undeferred_said = False
 
     def install(self) -> None:
         patches = [
@@ -143,6 +144,15 @@ class Steps:
                 f"gradient accumulation: {CURRENT.accumulating} backward passes per optimizer.step() at "
                 f"{where(caller_site())}: the gradients are synchronised once per step, at the last one "
                 "(what no_sync() does by hand); a step that comes earlier averages them then",
+            )
+        if CURRENT.undeferred is not None and not self.undeferred_said and session.notice is not None:
+            self.undeferred_said = True
+            window, why = CURRENT.undeferred
+            session.notice.say(
+                "accumulation, not deferred",
+                f"gradient accumulation: {window} backward passes per optimizer.step() at "
+                f"{where(caller_site())}: under FSDP each one reduce-scatters its gradients, as the "
+                f"code is written; {why}",
             )
 
     def _ddp_init(self, original: Any) -> Any:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from autoddp.core.errors import TorchCompatibilityError
+from autoddp.core.memory.sizes import format_bytes
 from autoddp.core.state import CURRENT
 from autoddp.in_rank.models import _fsdp_state, _mean, _window
 
@@ -69,11 +70,17 @@ def _is_dtensor(value: Any) -> bool:
 
 
 class Deferral:
-    """The window of one sharded model and the gradients its deferred backward passes left."""
+    """The window of one sharded model and the gradients its deferred backward passes left.
 
-    def __init__(self, model: torch.nn.Module, units: list[torch.nn.Module]) -> None:
+    ``why``: the reason its reduce-scatters cannot be deferred (then it defers nothing, and only
+    learns the window, so that a run that accumulates is told why every backward reduce-scatters).
+    """
+
+    def __init__(self, model: torch.nn.Module, units: list[torch.nn.Module], why: str | None = None) -> None:
         probe = next((p for p in model.parameters() if p.requires_grad), None)
         self.window = _window.Window(probe)
+        self.why = why
+        self.window.off = why is not None  # (never deferred: and never said as deferred)
         self.forwards = 0  # forwards with gradients through the model
         self.syncing = True  # what set_requires_gradient_sync was last set to
         self.deferred = False  # a forward deferred since the gradients were last settled
@@ -81,7 +88,8 @@ class Deferral:
         disabled = torch.compiler.disable  # (hooks of Python state: never traced by torch.compile)
         pairs = zip(units, self.units, strict=True)
         self.handles = [unit.register_forward_pre_hook(disabled(seen)) for unit, seen in pairs]
-        self.handles.append(model.register_forward_pre_hook(disabled(self._forward)))
+        counts = self._forward if why is None else self._counted
+        self.handles.append(model.register_forward_pre_hook(disabled(counts)))
 
     def _forward(self, module: torch.nn.Module, args: Any) -> None:
         """The model's forward pre-hook: whether this forward's backward reduce-scatters."""
@@ -93,6 +101,11 @@ class Deferral:
         if sync != self.syncing:
             module.set_requires_gradient_sync(sync)
             self.syncing = sync
+
+    def _counted(self, module: torch.nn.Module, args: Any) -> None:
+        """The forward pre-hook of a model whose reduce-scatters are not deferred: counted only."""
+        if torch.is_grad_enabled():
+            self.forwards += 1
 
     def settle(self) -> None:
         """Average the gradients deferred backward passes left unsharded into the shards' (a
@@ -116,6 +129,8 @@ class Deferral:
 
     def stepped(self) -> None:
         self.window.stepped(self.forwards)
+        if self.why is not None and self.window.length > 1 and CURRENT.undeferred is None:
+            CURRENT.undeferred = (self.window.length, self.why)  # (capture's notice says it once)
 
     def detach(self, model: torch.nn.Module) -> None:
         for handle in self.handles:
@@ -157,20 +172,31 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, room: Calla
         if deferral is None:
             return
         model.__dict__[_ATTR] = deferral
-    if _ZERO_GRAD not in optimizer.__dict__:  # (an instance attribute: this optimizer's calls only)
+    deferring = model.__dict__[_ATTR].why is None
+    if deferring and _ZERO_GRAD not in optimizer.__dict__:  # (an instance attribute: this optimizer's only)
         optimizer.__dict__[_ZERO_GRAD] = functools.partial(_zero_grad, type(optimizer).zero_grad, optimizer)
 
 
 def _made(model: torch.nn.Module, room: Callable[[], int]) -> Deferral | None:
+    """The model's deferral; one that only learns the window where deferring cannot be done."""
     world = CURRENT.world
-    if world is None or CURRENT.options.mixed_precision is not None or not _is_fsdp(model):
-        return None
     trainable = [p for p in model.parameters() if p.requires_grad]
-    if world.device != "cpu" and any(p.device.type == "cpu" for p in trainable):
-        return None  # CPU offload (forced, or the plan "auto" took)
-    grads = sum(p.numel() * p.element_size() for p in trainable)
-    if not trainable or 2 * grads > room():
+    if world is None or not trainable or not _is_fsdp(model):
         return None
+    if CURRENT.options.mixed_precision is not None:
+        return Deferral(model, [], "FSDP2 keeps mixed precision's unsharded gradients out of reach")
+    if world.device != "cpu" and any(p.device.type == "cpu" for p in trainable):
+        return Deferral(model, [], "the shards are on the CPU")  # (CPU offload: forced, or "auto"'s plan)
+    grads = sum(p.numel() * p.element_size() for p in trainable)
+    left = room()
+    if 2 * grads > left:
+        return Deferral(
+            model,
+            [],
+            f"deferring them would hold the model's gradients unsharded on every process, twice "
+            f"{format_bytes(grads)}, more than the {format_bytes(max(left, 0))} this process has left "
+            "beside the sharded state (a larger device_memory, or more processes, lets autoddp defer them)",
+        )
     deferral = Deferral(model, [m for m in model.modules() if _is_fsdp(m)])
     if not all(unit.sharded_now() for unit in deferral.units):  # (a forward came before the optimizer)
         deferral.detach(model)
