@@ -16,8 +16,9 @@ piece of a few µs shows without hundreds of rounds; the run takes minutes (valg
 
 The captured contender runs in variants that switch autoddp's pieces off one after another:
 
-- ``decorated``: all of it, as under the decorator, where the ledger hooks every forward's outputs
-  (``CURRENT.retained``: names bound before the decorated call are not counted);
+- ``decorated``: all of it, as under the decorator, where each backward pass also runs through
+  capture's counter at torch's engine call (``models.uncounted``: it counts the passes run under
+  names bound before the decorated call);
 - ``captured``: as under the command, where the ledger hooks no output until a backward keeps its
   graph (``models._reduction``);
 - ``- ledger``: the rest of the ledger, which tells the step guard which backward passes DDP
@@ -45,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import inspect
 import itertools
 import json
 import statistics
@@ -63,6 +65,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 import autoddp
 import instructions
+from autoddp.core._compat import engine
 from autoddp.core.state import CURRENT
 from autoddp.in_rank import step_report
 from autoddp.in_rank.hang import marks
@@ -118,6 +121,9 @@ class Switches:
         self.optimizer = optimizer
         self.guard = dict(optimizer._optimizer_step_pre_hooks)
         self.backward = torch.autograd.backward
+        self.engine_at = engine.engine_call()  # (the decorator's counter in place: the process is decorated)
+        self.engine = getattr(*self.engine_at)
+        self.plain_engine = inspect.unwrap(self.engine)
         innermost = self.backward
         while hasattr(innermost, "__wrapped__"):  # (each wrapper's functools.wraps)
             innermost = innermost.__wrapped__
@@ -128,7 +134,7 @@ class Switches:
     @contextlib.contextmanager
     def off(self, pieces: int) -> Iterator[None]:
         """The first ``pieces`` pieces of ``VARIANTS[1:]`` off for a ``with`` block."""
-        CURRENT.retained = pieces < 1
+        setattr(*self.engine_at, self.engine if pieces < 1 else self.plain_engine)
         self.replica.watched = pieces < 2
         if pieces >= 3:
             self.optimizer._optimizer_step_pre_hooks.clear()
@@ -141,7 +147,7 @@ class Switches:
         try:
             yield
         finally:
-            CURRENT.retained = True
+            setattr(*self.engine_at, self.engine)
             self.replica.watched = True
             self.optimizer._optimizer_step_pre_hooks.update(self.guard)
             marks.MARKS.thread = self.marked_thread
@@ -230,14 +236,14 @@ def tight_loops(table: dict[str, tuple], switches: Switches) -> dict[str, float]
         lambda: model(x)
     ) - _best_us(lambda: ddp(x))
     replica.watched = True
-    found["ledger: hooking a forward's output (decorator)"] = _best_us(
+    CURRENT.retained = True
+    found["ledger: hooking a forward's output (once a backward kept its graph)"] = _best_us(
         lambda: replica.reduction.forwarded(leaf * 2, True)
     ) - _best_us(lambda: leaf * 2)
     CURRENT.retained = False
-    found["ledger: a forward without a hook (command)"] = _best_us(
+    found["ledger: a forward without a hook (usual)"] = _best_us(
         lambda: replica.reduction.forwarded(leaf * 2, True)
     ) - _best_us(lambda: leaf * 2)
-    CURRENT.retained = True
     replica.reduction.take()
 
     def backward(hooked: bool) -> None:
@@ -314,7 +320,7 @@ def pieces(blocks: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, flo
     """Each piece's µs per phase: consecutive variants' difference; the routing: the last over ``ddp``."""
     chain = [*VARIANTS, "ddp"]
     names = [
-        "ledger hooks (decorator)",
+        "engine call's counter (decorator)",
         "ledger",
         "guard",
         "sampler",
