@@ -256,3 +256,25 @@ def test_mixed_precision_and_offload_map_onto_fsdp2_policies():
 
     # computed in bf16; the sharded parameters themselves stay float32
     assert train() == [[True, "torch.float32"], [True, "torch.float32"]]
+
+
+PREPARED = """
+    import torch, autoddp
+    from torch import nn
+    from autoddp.core.state import CURRENT
+    model = autoddp.prepare(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)))
+    if autoddp.rank() == 0:
+        print("PREPARED", type(model).__name__, CURRENT.options.strategy, CURRENT.options.mixed_precision)
+"""
+
+
+def test_the_commands_options_reach_the_code_of_a_plain_script(tmp_path):
+    """``autoddp --strategy fsdp --mixed-precision bf16 script.py``: what the script's ranks read as
+    the run's options (``autoddp.prepare``'s strategy; whether FSDP's accumulation may defer) is what
+    the command was given (it was the defaults: prepare made a DDP)."""
+    script = write(tmp_path / "prepared.py", PREPARED)
+    done = run_python(
+        ["-m", "autoddp.cli", "-n", "2", "--strategy", "fsdp", "--mixed-precision", "bf16", str(script)]
+    )
+    assert done.returncode == 0, done.stderr
+    assert "PREPARED FSDPSequential fsdp bf16" in done.stdout, done.stdout

@@ -101,13 +101,23 @@ class _ScriptWorld:
     it at exit with any other group left open; after a failure it is left to the exit.
     """
 
-    def __init__(self, world: World, backend: backends.Backend, timeout: datetime.timedelta | None) -> None:
-        self.world, self.backend, self.timeout = world, backend, timeout
+    def __init__(
+        self,
+        world: World,
+        backend: backends.Backend,
+        timeout: datetime.timedelta | None,
+        options: RunOptions,
+    ) -> None:
+        self.world, self.backend, self.timeout, self.options = world, backend, timeout, options
         self._joined: Any = None
 
     def join(self) -> World:
+        """The group, entered with the run's options (what the code inside a rank reads as
+        ``CURRENT.options``: the strategy, the memory budget, mixed precision)."""
         # preflight's notices were printed when the GPU was pinned (_start_capture)
-        self._joined = process_group.joined(self.world, self.backend, self.timeout, announce=False)
+        self._joined = process_group.joined(
+            self.world, self.backend, self.timeout, self.options, announce=False
+        )
         return self._joined.__enter__()
 
 
@@ -125,7 +135,7 @@ def _start_capture(
         own = own_gpu(world, torch.cuda.device_count())  # gloo beside GPUs: the one its rank would take
         if own is not None:
             torch.cuda.set_device(own)
-    script_world = _ScriptWorld(world, backend, timeout)
+    script_world = _ScriptWorld(world, backend, timeout, options)
     session = capture.Session(options, join=script_world.join, planned=world)
     session.install()
     return session
