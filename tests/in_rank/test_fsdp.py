@@ -6,6 +6,7 @@ Real 2-process gloo runs on CPU: training, checkpoints full and sharded, capture
 from __future__ import annotations
 
 import os
+import textwrap
 
 import pytest
 import torch
@@ -271,10 +272,14 @@ PREPARED = """
 def test_the_commands_options_reach_the_code_of_a_plain_script(tmp_path):
     """``autoddp --strategy fsdp --mixed-precision bf16 script.py``: what the script's ranks read as
     the run's options (``autoddp.prepare``'s strategy; whether FSDP's accumulation may defer) is what
-    the command was given (it was the defaults: prepare made a DDP)."""
+    the command was given, with capture and without (it was the defaults: prepare made a DDP)."""
+    given = ["--strategy", "fsdp", "--mixed-precision", "bf16"]
     script = write(tmp_path / "prepared.py", PREPARED)
-    done = run_python(
-        ["-m", "autoddp.cli", "-n", "2", "--strategy", "fsdp", "--mixed-precision", "bf16", str(script)]
-    )
+    done = run_python(["-m", "autoddp.cli", "-n", "2", *given, str(script)])
+    assert done.returncode == 0, done.stderr
+    assert "PREPARED FSDPSequential fsdp bf16" in done.stdout, done.stdout
+    own_group = 'import torch.distributed as dist; dist.init_process_group("gloo")\n'
+    script = write(tmp_path / "own_group.py", own_group + textwrap.dedent(PREPARED))
+    done = run_python(["-m", "autoddp.cli", "-n", "2", "--no-capture", *given, str(script)])
     assert done.returncode == 0, done.stderr
     assert "PREPARED FSDPSequential fsdp bf16" in done.stdout, done.stdout

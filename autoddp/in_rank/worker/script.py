@@ -44,7 +44,7 @@ from autoddp.core import _compat, _frames, _patches, _variables, backends, envir
 from autoddp.core._compat import gloo_lines
 from autoddp.core._warn import say
 from autoddp.core.environment import hardware, preflight
-from autoddp.core.state import RunOptions, World
+from autoddp.core.state import CURRENT, RunOptions, World
 from autoddp.in_rank import capture, models, step_report
 from autoddp.in_rank.hang import marks
 from autoddp.in_rank.run_folder import finished, transport
@@ -186,6 +186,8 @@ def _run_captured(argv: list[str], kept: KeptGroups) -> None:
     capture_on, options, timeout, argv = _runner_flags(argv)
     world = environment.detect().world()
     one = models.no_sync_at_one_process() if world.world_size <= 1 else _patches.Patches()
+    # the run's options for the script, its own group's too (--no-capture: autoddp.prepare's strategy)
+    previous, CURRENT.options = CURRENT.options, options
     # the hang report's marks outermost, then the step report's clock
     with marks.marking(world), step_report.measuring(world), _own_groups_checked(world, timeout), one:
         session = _start_capture(capture_on, options, timeout)
@@ -199,6 +201,7 @@ def _run_captured(argv: list[str], kept: KeptGroups) -> None:
             kept.uninstall()
             if session is not None:
                 session.uninstall()
+            CURRENT.options = previous
 
 
 def main(leave_groups_at_exit: bool = True, kept: KeptGroups | None = None) -> None:
