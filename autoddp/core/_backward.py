@@ -1,16 +1,13 @@
 """The one wrapper of ``torch.autograd.backward``: every part of autoddp that watches backward
 passes registers a watcher with it, instead of wrapping the function itself.
 
-Four parties watch each ``backward()``: the hang report's marks (for the worker), the step report
-(for the user's code), capture's first check and its count of backward passes (for a capture
-session). Each wrapper of its own cost a step a frame of ``*args, **kwargs`` and a ``try``; here
-one frame, with ``torch.autograd.backward``'s own parameters (``PARAMETERS``: a call binds them
-without building a tuple and a dict), calls each watcher's ``before`` and, where that asked for
-it, its ``after``: two plain method calls, or one for a watcher with nothing to do in this pass.
-Capture's count of backward passes (for the averaging guard: which passes DDP averaged, a step
-inside one) is the wrapper's own work, inline (``count``): three attribute writes where a watcher
-cost two calls. It counts into a state it is given (``autoddp.core.state.CURRENT``), innermost,
-around the pass itself.
+Three parties watch each ``backward()``: the hang report's marks (for the worker), the step report
+(for the user's code) and capture's first check (for a capture session). Each wrapper of its own
+cost a step a frame of ``*args, **kwargs`` and a ``try``; here one frame, with
+``torch.autograd.backward``'s own parameters (``PARAMETERS``: a call binds them without building a
+tuple and a dict), calls each watcher's ``before`` and, where that asked for it, its ``after``: two
+plain method calls, or one for a watcher with nothing to do in this pass. (Capture counts the
+passes themselves, ``grad``'s too, at torch's engine call: ``in_rank.models._reduction``.)
 
 A watcher is ``add``-ed (outermost: its ``before`` runs first and its ``after`` last, as the
 wrappers' nesting gave) and ``remove``-d when its party ends; the wrapper stands while any
@@ -49,14 +46,6 @@ class Watcher(Protocol):
         """After the pass (``raised``: it raised), with ``before``'s token."""
 
 
-class Passes(Protocol):
-    """Where ``count`` says each ``backward()`` (``autoddp.core.state.CURRENT``'s attributes)."""
-
-    backwards: int  # backward() calls begun
-    backward_kind: Any  # the kind given to ``count`` while one runs (restored after it)
-    retained: bool  # set once a backward keeps its graph (retain_graph, create_graph)
-
-
 class BackwardCalls:
     """The registered watchers and the one wrapper that calls them: the module's one state."""
 
@@ -67,25 +56,6 @@ class BackwardCalls:
         self.calling: tuple[tuple[Watcher, ...], tuple[Watcher, ...]] = ((), ())  # (``listen``)
         self.patches = _patches.Patches()
         self.wrappers: dict[int, tuple[Any, Any]] = {}  # id(original) -> (original, its wrapper)
-        self.counters: list[tuple[Passes, Any]] = []  # ``count``'s registrations, the first counted
-        self.counting: tuple[Passes, Any] | None = None  # (state, kind) the wrapper counts into
-
-    def count(self, state: Passes, kind: Any) -> None:
-        """Count each ``backward()`` from now on into ``state``: ``backwards`` moves, ``backward_kind``
-        is ``kind`` while it runs, ``retained`` set by one that keeps its graph (until ``uncount``)."""
-        if not self.counters and not self.patches.installed:
-            self.patches.install([self._patch()])
-        self.counters.append((state, kind))
-        self.counting = self.counters[0]
-
-    def uncount(self, state: Passes) -> None:
-        """One ``count`` registration of ``state`` ended (the last one out: counted no more)."""
-        index = next((i for i, (each, _) in enumerate(self.counters) if each is state), None)
-        if index is not None:
-            del self.counters[index]
-        self.counting = self.counters[0] if self.counters else None
-        if not self.counters and not self.registered:
-            self.patches.restore()
 
     def add(self, watcher: Watcher, listening: bool = True) -> None:
         """Watch every backward from now on, outermost (the wrapper put in place if it was not)."""
@@ -107,7 +77,7 @@ class BackwardCalls:
         """Stop watching (idempotent); the last one out puts the function back (``_patches``' rule)."""
         self.registered = tuple(each for each in self.registered if each is not watcher)
         self.listen(watcher, True)
-        if not self.registered and not self.counters:
+        if not self.registered:
             self.patches.restore()
 
     def _patch(self) -> tuple[Any, str, Any]:
@@ -139,8 +109,7 @@ class BackwardCalls:
             inputs: Any = None,
         ) -> Any:
             watchers, innermost_first = calls.calling  # (one read: a pass keeps the ones it began with)
-            counting = calls.counting
-            if (not watchers and counting is None) or compiling():  # traced: exactly the original
+            if not watchers or compiling():  # traced: exactly the original
                 return original(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
             args = (tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
             thread = get_ident()
@@ -148,25 +117,7 @@ class BackwardCalls:
             try:
                 for watcher in watchers:
                     tokens.append(watcher.before(args, no_keywords, thread))
-                if counting is None:
-                    result = original(
-                        tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs
-                    )
-                else:  # (``count``: innermost, inline)
-                    state = counting[0]
-                    previous = state.backward_kind
-                    if (retain_graph or create_graph) and not state.retained:
-                        state.retained = (
-                            True  # (a later backward may go through the forwards this one reaches)
-                        )
-                    state.backwards += 1
-                    state.backward_kind = counting[1]
-                    try:
-                        result = original(
-                            tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs
-                        )
-                    finally:
-                        state.backward_kind = previous
+                result = original(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
             except BaseException:
                 _after(watchers, tokens, args, no_keywords)
                 raise
@@ -198,14 +149,6 @@ def _check_parameters(original: Callable[..., Any]) -> None:
             f"{found}: this torch release changed it. Use a torch version autoddp supports, or report "
             "it to autoddp with this message"
         )
-
-
-def keeps_graph(args: tuple, kwargs: dict) -> bool:
-    """Whether a ``torch.autograd.backward(tensors, grad_tensors, retain_graph, create_graph, ...)``
-    call keeps its graph (``Tensor.backward`` passes both flags by position)."""
-    retain = kwargs.get("retain_graph", args[2] if len(args) > 2 else None)
-    create = kwargs.get("create_graph", args[3] if len(args) > 3 else False)
-    return bool(retain) or bool(create)
 
 
 def _after(watchers: tuple[Watcher, ...], tokens: list[Any], args: tuple, kwargs: dict) -> None:

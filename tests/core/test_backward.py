@@ -134,67 +134,46 @@ def _training_with_every_watcher() -> tuple[int, str]:
 
 @pytest.mark.timeout(120)
 def test_a_worker_s_backward_is_wrapped_once_for_capture_the_marks_and_the_step_report():
-    """Capture, its count of backward passes, the hang report's marks and the step report all watch
-    each ``backward()`` of the user's code, through one layer (four before: a frame each per step)."""
+    """Capture, the hang report's marks and the step report all watch each ``backward()`` of the
+    user's code, through one layer (four before, with capture's count: a frame each per step)."""
     fork_or_skip()
     assert _training_with_every_watcher() == (1, "torch.autograd.backward")
     assert _layers_over_backward() == (0, "torch.autograd.backward")  # the caller's, untouched
 
 
-class Passes:
-    backwards, backward_kind, retained = 0, None, False
-
-
 class Seen:
-    """A watcher that keeps each call's arguments and the state's kind during the pass."""
+    """A watcher that keeps each call's arguments."""
 
-    def __init__(self, state: Passes) -> None:
-        self.state, self.args, self.kinds = state, [], []
+    def __init__(self) -> None:
+        self.args = []
 
     def before(self, args: tuple, kwargs: dict, thread: int) -> object:
         self.args.append((args, dict(kwargs)))
         return None
 
     def after(self, token: object, args: tuple, kwargs: dict, raised: bool) -> None:
-        self.kinds.append(self.state.backward_kind)
+        pass
 
 
 @pytest.mark.unit
-def test_the_wrapper_takes_torch_s_parameters_and_counts_each_pass_inline():
+def test_the_wrapper_takes_torch_s_parameters_and_goes_with_its_last_watcher():
     """Positional or by keyword, the wrapper binds torch.autograd.backward's parameters (the
-    watchers get them in ``PARAMETERS``' order); ``count`` counts each pass into its state, its
-    kind set while it runs, ``retained`` once one keeps its graph; the last registration out ends it."""
+    watchers get them in ``PARAMETERS``' order); the last watcher out puts the function back."""
     original = torch.autograd.backward
-    calls, state = _backward.BackwardCalls(), Passes()
-    seen = Seen(state)
+    calls, seen = _backward.BackwardCalls(), Seen()
     leaf = torch.ones(2, requires_grad=True)
     try:
-        calls.count(state, "backward")
-        calls.count(state, "backward")  # (a nested session: counted once a pass)
         calls.add(seen)
         (leaf * 2).sum().backward()
-        assert (state.backwards, state.backward_kind, state.retained) == (1, None, False)
-        loss, during = (leaf * 3).sum(), []
-        loss.register_hook(lambda grad: during.append(state.backward_kind))
+        loss = (leaf * 3).sum()
         torch.autograd.backward(tensors=loss, retain_graph=True, inputs=[leaf])
-        assert during == ["backward"]
-        assert (state.backwards, state.retained) == (2, True)
         assert leaf.grad.tolist() == [5.0, 5.0]
         assert [len(args) for args, _ in seen.args] == [6, 6] and seen.args[1][1] == {}
         assert seen.args[1][0][0] is loss and seen.args[1][0][2] is True and seen.args[1][0][5] == [leaf]
-        assert seen.kinds == [None, None]  # (innermost: set and restored around the pass itself)
         calls.remove(seen)
-        assert torch.autograd.backward is not original  # still counting
-        calls.uncount(state)
-        assert torch.autograd.backward is not original  # (one registration left)
-        calls.uncount(state)
         assert torch.autograd.backward is original
-        (leaf * 2).sum().backward()
-        assert state.backwards == 2
     finally:
         calls.remove(seen)
-        calls.uncount(state)
-        calls.uncount(state)
         torch.autograd.backward = original
 
 
@@ -205,4 +184,4 @@ def test_a_torch_whose_backward_takes_other_parameters_is_a_loud_error(monkeypat
 
     monkeypatch.setattr(torch.autograd, "backward", backward)
     with pytest.raises(TorchCompatibilityError, match="torch.autograd.backward"):
-        _backward.BackwardCalls().add(Seen(Passes()))
+        _backward.BackwardCalls().add(Seen())

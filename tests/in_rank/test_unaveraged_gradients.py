@@ -90,6 +90,37 @@ def _two_backwards_by_a_bound_name(rank: int, world: int, backward=torch.autogra
     return model
 
 
+def _two_forwards_then_a_backward_each(rank: int, world: int) -> nn.Module:
+    x, y = _share(rank, world)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    half = len(x) // 2
+    for _ in range(4):
+        opt.zero_grad()
+        first, second = model(x[:half]), model(x[half:])  # (DDP averages the first backward after them)
+        (first - y[:half]).pow(2).mean().div(2).backward()
+        (second - y[half:]).pow(2).mean().div(2).backward()
+        opt.step()  # STEP LINE
+    return model
+
+
+def _grad_in_a_hook(rank: int, world: int, gradients=torch.autograd.grad) -> nn.Module:
+    x, y = _share(rank, world)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(4):
+        out = model(x)
+        extra = model(x * 2).pow(2).mean() * 0.1  # differentiated by grad alone, inside the backward
+        params, found = list(model.parameters()), []
+        out.register_hook(lambda g, f=found, e=extra, ps=params: f.append(gradients(e, ps)))  # (unpatched)
+        (out - y).pow(2).mean().backward()
+        for p, g in zip(params, found[0], strict=True):
+            p.grad.add_(g)
+        opt.step()  # STEP LINE
+        opt.zero_grad()
+    return model
+
+
 @dataclasses.dataclass
 class Output:
     prediction: torch.Tensor
@@ -207,6 +238,14 @@ def test_a_second_backward_through_one_forward_is_averaged_and_said():
 
 def test_a_second_backward_under_a_name_bound_before_the_call_is_averaged_and_said():
     _check(_two_backwards_by_a_bound_name, "retain_graph=True")
+
+
+def test_two_forwards_then_a_backward_for_each_is_averaged_and_said():
+    _check(_two_forwards_then_a_backward_each, "two forwards, then a backward for each")
+
+
+def test_grad_called_in_a_hook_during_a_backward_under_a_name_bound_before_is_averaged_and_said():
+    _check(_grad_in_a_hook, "torch.autograd.grad")
 
 
 def test_a_second_backward_through_a_forward_returning_a_dataclass_is_averaged_and_said():
@@ -333,22 +372,3 @@ def test_under_the_command_gradients_ddp_did_not_average_are_averaged_from_the_f
         assert counts == [2] * 6, ours["counts"]
     elif habit == "later":  # epoch 1, step 2: a second backward's loss, and autoddp's averaging
         assert counts == [2] * 4 + [4, 2], ours["counts"]
-
-
-def test_a_grad_bound_by_name_outside_torch_is_found(monkeypatch):
-    """What makes capture count the passes at torch's engine call (``models.uncounted``) where a
-    script's names were bound before it: a module holding torch's ``grad`` or ``backward`` under a
-    name of its own."""
-    import sys
-    import types
-
-    from autoddp.in_rank.capture.steps import _bound_by_name
-
-    def nobody_holds_this():
-        pass
-
-    module = types.ModuleType("user_code")
-    monkeypatch.setitem(sys.modules, "user_code", module)
-    assert not _bound_by_name(nobody_holds_this)
-    module.gradients = torch.autograd.grad
-    assert _bound_by_name(torch.autograd.backward, torch.autograd.grad)

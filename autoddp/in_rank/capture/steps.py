@@ -2,7 +2,7 @@
 and what reads gradients before a step (``clip_grad_norm_``, ``GradScaler.unscale_``).
 
 The first ``backward()`` checks the loss and, with no optimizer made yet, which models it trains by
-hand; each ``backward()`` and ``grad()`` is counted (``core._backward``'s ``count``, ``models.counted``); a
+hand; each backward pass is counted at torch's engine call (``models.at_engine``); a
 step says what could not be distributed (``_undistributed``); a user's own
 ``DistributedDataParallel`` takes over from autoddp's, so that a model is never wrapped twice, and
 counts as a model in training for the passes of the loaders (a framework's: Lightning's strategy
@@ -59,16 +59,12 @@ class Steps:
     def install(self) -> None:
         patches = [
             (torch.nn.parallel.DistributedDataParallel, "__init__", self._ddp_init),
-            (torch.autograd, "grad", lambda original: models.counted(original, accumulates=False)),
+            # every backward pass counted where torch runs it, whatever name reached it (one bound
+            # before capture too: a decorated function's module imported it first)
+            (*engine.engine_call(), models.at_engine),
             *((owner, name, self._reading) for owner, name in _GRADIENT_READERS if hasattr(owner, name)),
         ]
-        if not self.session.script or _bound_by_name(torch.autograd.backward, torch.autograd.grad):
-            # Calls under a name bound before capture reach no wrapper (a default argument
-            # `grad=torch.autograd.grad` of a function defined before the decorated call included):
-            # their passes are counted where torch runs them (``models.uncounted``).
-            patches.append((*engine.engine_call(), models.uncounted))
         self._patches.install(_patches.wrapping(owner, name, make) for owner, name, make in patches)
-        _backward.CALLS.count(CURRENT, models.BACKWARD)  # (each backward() counted, for the averaging guard)
         _backward.CALLS.add(self)
 
     def install_step_hook(self) -> None:
@@ -77,7 +73,6 @@ class Steps:
 
     def uninstall(self) -> None:
         _backward.CALLS.remove(self)
-        _backward.CALLS.uncount(CURRENT)
         self._patches.restore()
 
     def remove_step_hook(self) -> None:
@@ -171,19 +166,3 @@ class Steps:
             self.own_ddp.add(ddp)
 
         return __init__
-
-
-def _bound_by_name(*functions: Any) -> bool:
-    """Whether a module outside torch and autoddp holds one of ``functions`` under a name of its own
-    (``from torch.autograd import grad`` before a decorated call): capture cannot count those calls."""
-    ids = {id(function) for function in functions}
-    for name, module in list(sys.modules.items()):
-        if module is None or name in ("torch", "autoddp") or name.startswith(("torch.", "autoddp.")):
-            continue
-        try:
-            values = list(vars(module).values())
-        except TypeError:
-            continue
-        if not ids.isdisjoint(map(id, values)):
-            return True
-    return False

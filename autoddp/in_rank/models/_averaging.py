@@ -176,8 +176,9 @@ def _by_hand(name: str) -> str:
 
 def _second_backward(name: str) -> str:
     return (
-        f"a second backward through one forward of {name} (backward(retain_graph=True), then another "
-        "backward) added gradients DDP does not average (it averages one backward per forward); "
+        f"a second backward through the forwards of {name} (backward(retain_graph=True), then another "
+        "backward; or two forwards, then a backward for each) added gradients DDP does not average "
+        "(it averages one backward after the forwards); "
         "autoddp averaged all of them again before optimizer.step() (exact: DDP's part is already "
         "equal on every rank; one more all-reduce per such step). Add the losses and call backward "
         "once to leave it to DDP alone"

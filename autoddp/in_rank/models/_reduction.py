@@ -3,9 +3,8 @@
 DDP averages the gradients of one backward pass after each forward through it (the first one that
 accumulates into ``.grad``). Gradients that reach ``.grad`` otherwise are this process's own: a
 second backward through the same forward (``retain_graph=True``), or ``torch.autograd.grad``'s
-results assigned to ``.grad`` by hand. Capture counts ``torch.autograd.backward`` calls (``core._backward``'s
-``count``, with ``BACKWARD``) and ``grad`` calls (``counted``), in ``CURRENT``, and where names bound
-before it exist, the passes run under them (``uncounted``, at torch's engine call); a
+results assigned to ``.grad`` by hand. Capture counts every backward pass, ``backward``'s and
+``grad``'s, at torch's engine call (``at_engine``), in ``CURRENT``; a
 forward through a guarded model's DDP hooks its outputs (``Ledger.forwarded``), so that a pass
 reaching them tells whether DDP averages it; the guard (``_averaging``) averages at ``step()`` when
 one did not, or when a step runs inside a backward pass (before DDP's all-reduce has finished). A
@@ -28,7 +27,6 @@ from typing import Any
 
 import torch
 
-from autoddp.core import _backward
 from autoddp.core._compat import engine
 from autoddp.core.state import CURRENT
 from autoddp.in_rank.models._routing import on_backward
@@ -44,44 +42,26 @@ UNSURE = "unsure"
 SILENT = (DEFERRED, UNSURE)
 
 
-def counted(original: Callable[..., Any], accumulates: bool = True) -> Callable[..., Any]:
-    """``torch.autograd.backward`` (``accumulates``) or ``grad`` that says, in ``CURRENT``, that it
-    runs, for the step's averaging guard: which backward passes DDP averaged, and a step inside one."""
-    kind = BACKWARD if accumulates else GRAD
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        previous = CURRENT.backward_kind
-        if not CURRENT.retained and (not accumulates or _backward.keeps_graph(args, kwargs)):
-            CURRENT.retained = True  # (a later backward may go through the forwards this one reaches)
-        CURRENT.backwards += 1
-        CURRENT.backward_kind = kind
-        try:
-            return original(*args, **kwargs)
-        finally:
-            CURRENT.backward_kind = previous
-
-    return call
-
-
-def uncounted(original: Callable[..., Any]) -> Callable[..., Any]:
-    """torch's engine call (``core._compat.engine``) that counts, as ``counted`` does, the passes no
-    wrapper counted: ``backward`` or ``grad`` called by a name bound before capture replaced them
-    (a decorated function's module imported them first). Installed only where such names exist,
-    so that no output needs a hook for them; counted calls go straight through."""
+def at_engine(original: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's engine call (``core._compat.engine``), counting every backward pass in ``CURRENT`` for
+    the step's averaging guard (which passes DDP averaged, a step inside one): ``backward`` and
+    ``grad`` alike, under whatever name the caller reached them by (one bound before capture: a
+    module imported first, a default argument, a container), nested in another pass's hooks or not."""
     compiling = torch.compiler.is_compiling
 
     def run(outputs: Any, *args: Any, **kwargs: Any) -> Any:
-        if CURRENT.backward_kind is not None or compiling():  # counted already, or traced
+        if compiling():  # traced: exactly the original
             return original(outputs, *args, **kwargs)
         accumulates = engine.accumulates(kwargs)
-        if not CURRENT.retained and (not accumulates or engine.keeps_graph(args)):
-            CURRENT.retained = True  # (a later backward may go through the forwards this one reaches)
-        CURRENT.backwards += 1
-        CURRENT.backward_kind = BACKWARD if accumulates else GRAD
+        current = CURRENT
+        if not current.retained and (not accumulates or engine.keeps_graph(args)):
+            current.retained = True  # (a later backward may go through the forwards this one reaches)
+        current.backwards += 1
+        previous, current.backward_kind = current.backward_kind, BACKWARD if accumulates else GRAD
         try:
             return original(outputs, *args, **kwargs)
         finally:
-            CURRENT.backward_kind = None
+            current.backward_kind = previous
 
     return run
 
@@ -105,16 +85,24 @@ class Ledger:
         self.said: set[str] = set()
         #: A forward since the last reduction left unhooked (``UNSURE`` once a graph is kept).
         self.blind = False
+        #: ``CURRENT.backwards`` at the last forward left unhooked (-1: none since the last reduction).
+        self.at = -1
 
     def forwarded(self, result: Any, synced: bool) -> None:
         """A forward with gradients went through the DDP: hook its outputs (``synced``: not in no_sync),
         or, until a backward keeps its graph, only where deferred gradients wait for a synchronisation."""
         self.pending = self.pending or synced
+        if synced and self.blind and self.at == CURRENT.backwards and not CURRENT.retained:
+            # A second forward before any backward: DDP averages the backward of one of them only
+            # (two forwards, then a backward for each), so outputs are hooked from now on, and
+            # those left unhooked are averaged again at the step (``UNSURE``: exact).
+            CURRENT.retained = True
         if not CURRENT.retained:
             if not synced and self.unreduced is None:
                 self.unreduced = DEFERRED  # (its backward, the only one it can have, leaves them local)
             if not synced or self.unreduced is None:
                 self.blind = True
+                self.at = CURRENT.backwards
                 return
         hook = self.reached if synced else self.reached_deferred
         if type(result) is torch.Tensor:  # the usual output: hooked directly, nothing walked
@@ -157,5 +145,5 @@ class Ledger:
 
     def take(self) -> str | None:
         """``due()``, forgotten: the caller averages the gradients now."""
-        found, self.unreduced, self.blind = self.due(), None, False
+        found, self.unreduced, self.blind, self.at = self.due(), None, False, -1
         return found
