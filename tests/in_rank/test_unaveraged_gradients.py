@@ -77,10 +77,14 @@ def _two_backwards(rank: int, world: int, steps: int = 6) -> nn.Module:
     return model
 
 
-def _two_backwards_by_a_bound_name(rank: int, world: int, backward=torch.autograd.backward) -> nn.Module:
-    x, y = _share(rank, world)
+def _trained(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor, nn.Module, torch.optim.Optimizer]:
+    """This rank's data, the model and its optimizer."""
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return (*_share(rank, world), model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def _two_backwards_by_a_bound_name(rank: int, world: int, backward=torch.autograd.backward) -> nn.Module:
+    x, y, model, opt = _trained(rank, world)
     for _ in range(4):
         opt.zero_grad()
         out = model(x)
@@ -91,9 +95,7 @@ def _two_backwards_by_a_bound_name(rank: int, world: int, backward=torch.autogra
 
 
 def _two_forwards_then_a_backward_each(rank: int, world: int) -> nn.Module:
-    x, y = _share(rank, world)
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y, model, opt = _trained(rank, world)
     half = len(x) // 2
     for _ in range(4):
         opt.zero_grad()
@@ -105,9 +107,7 @@ def _two_forwards_then_a_backward_each(rank: int, world: int) -> nn.Module:
 
 
 def _grad_in_a_hook(rank: int, world: int, gradients=torch.autograd.grad) -> nn.Module:
-    x, y = _share(rank, world)
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y, model, opt = _trained(rank, world)
     for _ in range(4):
         out = model(x)
         extra = model(x * 2).pow(2).mean() * 0.1  # differentiated by grad alone, inside the backward
