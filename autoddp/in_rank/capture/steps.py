@@ -66,6 +66,11 @@ class Steps:
         ]
         self._patches.install(_patches.wrapping(owner, name, make) for owner, name, make in patches)
         _backward.CALLS.add(self)
+        # Every forward's outputs hooked (``models._reduction``): only they tell which backward DDP
+        # averaged where two forwards come before a backward for each (DDP averages the first), and
+        # what they decide is the same on every rank (a forward of rank 0 alone, in a rank0() body,
+        # decides nothing for the others).
+        CURRENT.retained = True
 
     def install_step_hook(self) -> None:
         """Every optimizer step, from here on (a global hook: installed after every patch)."""

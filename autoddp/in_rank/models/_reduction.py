@@ -12,12 +12,11 @@ backward through forwards that deferred their synchronisation (gradient accumula
 the user's own ``no_sync``) leaves gradients to be averaged by a later synchronised backward, else
 by the guard (``DEFERRED``).
 
-The hooks cost a step tens of µs, and most steps need none: a second backward through a forward
-needs the first to have kept the graph. So until a backward keeps its graph (``retain_graph``,
-``create_graph``) or ``torch.autograd.grad`` runs (``CURRENT.retained``), a synchronised forward's
-outputs are hooked only while deferred gradients wait for it, and a deferred forward marks them at
-once; the windows with forwards left unhooked before the first such call are averaged again at
-their step (``UNSURE``: exact, silent, one all-reduce once).
+The hooks cost a step a few µs per forward. A capture session hooks every forward (it sets
+``CURRENT.retained`` from its start): leaving outputs unhooked until a backward keeps its graph
+(``blind``, ``UNSURE`` once one does) misses two forwards followed by a backward each, where DDP
+averages the first only, and a rule that turns hooking on where that happens decides on one rank
+alone when rank 0 alone runs a forward (a ``rank0()`` body), so that its step would average alone.
 """
 
 from __future__ import annotations
@@ -49,9 +48,9 @@ def at_engine(original: Callable[..., Any]) -> Callable[..., Any]:
     module imported first, a default argument, a container), nested in another pass's hooks or not."""
     compiling = torch.compiler.is_compiling
 
-    def run(outputs: Any, *args: Any, **kwargs: Any) -> Any:
+    def run(t_outputs: Any, *args: Any, **kwargs: Any) -> Any:
         if compiling():  # traced: exactly the original
-            return original(outputs, *args, **kwargs)
+            return original(t_outputs, *args, **kwargs)
         accumulates = engine.accumulates(kwargs)
         current = CURRENT
         if not current.retained and (not accumulates or engine.keeps_graph(args)):
@@ -59,7 +58,7 @@ def at_engine(original: Callable[..., Any]) -> Callable[..., Any]:
         current.backwards += 1
         previous, current.backward_kind = current.backward_kind, BACKWARD if accumulates else GRAD
         try:
-            return original(outputs, *args, **kwargs)
+            return original(t_outputs, *args, **kwargs)
         finally:
             current.backward_kind = previous
 
@@ -85,24 +84,16 @@ class Ledger:
         self.said: set[str] = set()
         #: A forward since the last reduction left unhooked (``UNSURE`` once a graph is kept).
         self.blind = False
-        #: ``CURRENT.backwards`` at the last forward left unhooked (-1: none since the last reduction).
-        self.at = -1
 
     def forwarded(self, result: Any, synced: bool) -> None:
         """A forward with gradients went through the DDP: hook its outputs (``synced``: not in no_sync),
         or, until a backward keeps its graph, only where deferred gradients wait for a synchronisation."""
         self.pending = self.pending or synced
-        if synced and self.blind and self.at == CURRENT.backwards and not CURRENT.retained:
-            # A second forward before any backward: DDP averages the backward of one of them only
-            # (two forwards, then a backward for each), so outputs are hooked from now on, and
-            # those left unhooked are averaged again at the step (``UNSURE``: exact).
-            CURRENT.retained = True
         if not CURRENT.retained:
             if not synced and self.unreduced is None:
                 self.unreduced = DEFERRED  # (its backward, the only one it can have, leaves them local)
             if not synced or self.unreduced is None:
                 self.blind = True
-                self.at = CURRENT.backwards
                 return
         hook = self.reached if synced else self.reached_deferred
         if type(result) is torch.Tensor:  # the usual output: hooked directly, nothing walked
@@ -145,5 +136,5 @@ class Ledger:
 
     def take(self) -> str | None:
         """``due()``, forgotten: the caller averages the gradients now."""
-        found, self.unreduced, self.blind, self.at = self.due(), None, False, -1
+        found, self.unreduced, self.blind = self.due(), None, False
         return found

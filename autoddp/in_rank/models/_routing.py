@@ -141,14 +141,8 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             synced = ddp.require_backward_grad_sync
         if replica.watched:  # an optimizer's guard reads which backward passes DDP averaged
             ledger = replica.reduction
-            if (
-                synced
-                and not current.retained
-                and ledger.unreduced is None
-                and ledger.at != current.backwards
-            ):
+            if synced and not current.retained and ledger.unreduced is None:
                 ledger.pending = ledger.blind = True  # (``ledger.forwarded``'s usual step, inline)
-                ledger.at = current.backwards
             else:
                 ledger.forwarded(result, synced)
         if current.split_weight is not None:  # split_batches: this rank's part weighs its share
