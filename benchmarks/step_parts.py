@@ -16,11 +16,10 @@ piece of a few µs shows without hundreds of rounds; the run takes minutes (valg
 
 The captured contender runs in variants that switch autoddp's pieces off one after another:
 
-- ``decorated``: all of it, as under the decorator, where each backward pass also runs through
-  capture's counter at torch's engine call (``models.uncounted``: it counts the passes run under
-  names bound before the decorated call);
-- ``captured``: as under the command, where the ledger hooks no output until a backward keeps its
-  graph (``models._reduction``);
+- ``decorated``: all of it, as under the decorator and the command alike: every forward's outputs
+  hooked (``models._reduction``), every backward pass counted at torch's engine call;
+- ``captured``: without the output hooks (the ledger's unhooked path, which capture no longer
+  takes: what they cost);
 - ``- ledger``: the rest of the ledger, which tells the step guard which backward passes DDP
   averaged (``models._reduction``; ``replica.watched``);
 - ``- guard``: the optimizer's step pre-hook that averages gradients DDP did not
@@ -46,7 +45,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import inspect
 import itertools
 import json
 import statistics
@@ -65,7 +63,6 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 import autoddp
 import instructions
-from autoddp.core._compat import engine
 from autoddp.core.state import CURRENT
 from autoddp.in_rank import step_report
 from autoddp.in_rank.hang import marks
@@ -121,9 +118,6 @@ class Switches:
         self.optimizer = optimizer
         self.guard = dict(optimizer._optimizer_step_pre_hooks)
         self.backward = torch.autograd.backward
-        self.engine_at = engine.engine_call()  # (the decorator's counter in place: the process is decorated)
-        self.engine = getattr(*self.engine_at)
-        self.plain_engine = inspect.unwrap(self.engine)
         innermost = self.backward
         while hasattr(innermost, "__wrapped__"):  # (each wrapper's functools.wraps)
             innermost = innermost.__wrapped__
@@ -134,7 +128,7 @@ class Switches:
     @contextlib.contextmanager
     def off(self, pieces: int) -> Iterator[None]:
         """The first ``pieces`` pieces of ``VARIANTS[1:]`` off for a ``with`` block."""
-        setattr(*self.engine_at, self.engine if pieces < 1 else self.plain_engine)
+        CURRENT.retained = pieces < 1  # (capture hooks every forward's outputs: the first piece)
         self.replica.watched = pieces < 2
         if pieces >= 3:
             self.optimizer._optimizer_step_pre_hooks.clear()
@@ -147,7 +141,7 @@ class Switches:
         try:
             yield
         finally:
-            setattr(*self.engine_at, self.engine)
+            CURRENT.retained = True
             self.replica.watched = True
             self.optimizer._optimizer_step_pre_hooks.update(self.guard)
             marks.MARKS.thread = self.marked_thread
@@ -237,13 +231,14 @@ def tight_loops(table: dict[str, tuple], switches: Switches) -> dict[str, float]
     ) - _best_us(lambda: ddp(x))
     replica.watched = True
     CURRENT.retained = True
-    found["ledger: hooking a forward's output (once a backward kept its graph)"] = _best_us(
+    found["ledger: hooking a forward's output (capture's)"] = _best_us(
         lambda: replica.reduction.forwarded(leaf * 2, True)
     ) - _best_us(lambda: leaf * 2)
     CURRENT.retained = False
-    found["ledger: a forward without a hook (usual)"] = _best_us(
+    found["ledger: a forward without a hook"] = _best_us(
         lambda: replica.reduction.forwarded(leaf * 2, True)
     ) - _best_us(lambda: leaf * 2)
+    CURRENT.retained = True
     replica.reduction.take()
 
     def backward(hooked: bool) -> None:
@@ -320,7 +315,7 @@ def pieces(blocks: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, flo
     """Each piece's µs per phase: consecutive variants' difference; the routing: the last over ``ddp``."""
     chain = [*VARIANTS, "ddp"]
     names = [
-        "engine call's counter (decorator)",
+        "output hooks (every forward)",
         "ledger",
         "guard",
         "sampler",
@@ -330,8 +325,8 @@ def pieces(blocks: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, flo
         "routing (the rest)",
     ]
     found = {name: _paired(blocks, chain[i], chain[i + 1]) for i, name in enumerate(names)}
-    found["all of autoddp (decorator)"] = _paired(blocks, "decorated", "ddp")
-    found["all of autoddp (command)"] = _paired(blocks, "captured", "ddp")
+    found["all of autoddp (command and decorator)"] = _paired(blocks, "decorated", "ddp")
+    found["all of autoddp without the output hooks"] = _paired(blocks, "captured", "ddp")
     found["hooks on a hand-written DDP"] = _paired(blocks, "ddp under autoddp", "ddp")
     return found
 
