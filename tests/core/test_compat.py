@@ -695,6 +695,33 @@ def test_the_engine_call_runs_every_backward_and_grad_whatever_name_reached_them
         engine.engine_call()
 
 
+def test_an_output_hooked_without_a_handle_is_called_once_per_pass_beside_the_users_hooks():
+    """``tensor_hooks.hook_output``: the hook runs once for each backward or ``grad`` pass reaching the
+    tensor, whatever else hooks it later (the user's ``register_hook``, removable, changing the
+    gradient); a leaf or a tensor hooked before takes ``register_hook``."""
+    from autoddp.core._compat import tensor_hooks
+
+    weight = torch.ones(3, requires_grad=True)
+    seen = []
+    out = weight * 2
+    tensor_hooks.hook_output(out, lambda grad: seen.append(grad.clone()))
+    assert out._backward_hooks is not None and tensor_hooks.KEY in out._backward_hooks
+    removed = out.register_hook(lambda grad: grad * 100)
+    out.register_hook(lambda grad: grad * 3)
+    removed.remove()
+    out.sum().backward(retain_graph=True)
+    assert len(seen) == 1 and torch.equal(weight.grad, torch.full((3,), 6.0))
+    (grad,) = torch.autograd.grad(out.sum(), weight)
+    assert len(seen) == 2 and torch.equal(grad, torch.full((3,), 6.0))
+    assert all(torch.equal(g, torch.ones(3)) for g in seen)  # before the user's hooks changed it
+    leaf, hooked = torch.ones(2, requires_grad=True), weight * 5
+    hooked.register_hook(lambda grad: seen.append("user's first"))
+    tensor_hooks.hook_output(leaf, lambda grad: seen.append("leaf"))
+    tensor_hooks.hook_output(hooked, lambda grad: seen.append("hooked"))
+    (leaf.sum() + hooked.sum()).backward()
+    assert sorted(map(str, seen[2:])) == ["hooked", "leaf", "user's first"]
+
+
 def test_private_names_are_reached_from_compat_only_and_listed_there():
     """The inventory in ``_compat.names`` is the code's: every private torch (or CPython) name is
     used in ``autoddp/core/_compat`` only, each one used there is listed, and each listed is used."""

@@ -48,6 +48,8 @@ PRIVATE = {
     "torch.nn.MultiheadAttention._reset_parameters": "torch's attention's initialiser",
     "torch._dynamo.eval_frame.OptimizedModule._orig_mod": "the module inside a torch.compile result",
     "torch.Tensor._version": "a tensor's in-place version counter",
+    "torch.Tensor._backward_hooks": "a tensor's hooks dict, read by torch's C hook: outputs hooked cheaply",
+    "torch.autograd.graph.Node._register_hook_dict": "a node's C hook on its output's hooks dict",
     "torch.cuda._is_in_bad_fork": "whether a forked worker can use CUDA",
     "torch.autograd.graph.Node._saved_reduction": "a loss's reduction, from its graph",
     "torch.autograd.graph.Node._saved_weight": "a weighted loss, from its graph",

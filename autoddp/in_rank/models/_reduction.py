@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from autoddp.core._compat import engine
+from autoddp.core._compat import engine, tensor_hooks
 from autoddp.core.state import CURRENT
 from autoddp.in_rank.models._routing import on_backward
 
@@ -98,7 +98,7 @@ class Ledger:
         hook = self.reached if synced else self.reached_deferred
         if type(result) is torch.Tensor:  # the usual output: hooked directly, nothing walked
             if result.requires_grad:
-                result.register_hook(hook)
+                tensor_hooks.hook_output(result, hook)
         else:
             on_backward(result, hook)
 

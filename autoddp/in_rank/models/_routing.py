@@ -33,6 +33,7 @@ import torch
 
 from autoddp.core import _class_swap, _compat, _containers, _patches, _warn
 from autoddp.core._compat.calls import bare_forward
+from autoddp.core._compat.tensor_hooks import hook_output
 from autoddp.core.state import CURRENT
 from autoddp.in_rank.models import _at_call, _split
 
@@ -342,7 +343,7 @@ def on_backward(value: Any, hook: Callable[[torch.Tensor], None]) -> None:
     """Hook every tensor in ``value`` (nested lists, tuples, dicts, dataclasses) a backward may reach."""
     for item in _containers.leaves(value):
         if isinstance(item, torch.Tensor) and item.requires_grad:
-            item.register_hook(hook)
+            hook_output(item, hook)
 
 
 def _watcher(module: torch.nn.Module) -> _Watch | None:
