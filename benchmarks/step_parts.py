@@ -27,8 +27,9 @@ The captured contender runs in variants that switch autoddp's pieces off one aft
 - ``- sampler``: autoddp's sharded sampler (its loader is swapped for hand-written DDP's);
 - ``- hang marks``: the marks around ``backward()`` write nothing (``in_rank.hang.marks``);
 - ``- step hooks``: the global optimizer step pre-hooks taken out (capture's, the step report's);
-- ``- backward wrappers``: ``torch.autograd.backward``'s wrappers (capture's first check, the
-  backward counting, the step report's and the marks' frames) taken out;
+- ``- backward wrappers``: ``torch.autograd.backward``'s wrapper (capture's first check, the step
+  report's and the marks' frames) and the counter at torch's engine call (``models.at_engine``)
+  taken out;
 
 then hand-written DDP with those global hooks on (``ddp under autoddp``: what a script that
 makes its own DDP pays under the command) and off (``ddp``: what torchrun runs). A piece costs
@@ -45,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import inspect
 import itertools
 import json
 import statistics
@@ -63,6 +65,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 import autoddp
 import instructions
+from autoddp.core._compat import engine, tensor_hooks
 from autoddp.core.state import CURRENT
 from autoddp.in_rank import step_report
 from autoddp.in_rank.hang import marks
@@ -123,6 +126,9 @@ class Switches:
             innermost = innermost.__wrapped__
         self.plain_backward = innermost
         self.global_hooks = dict(torch_optimizer._global_optimizer_pre_hooks)
+        self.engine_owner, self.engine_name = engine.engine_call()
+        self.engine = getattr(self.engine_owner, self.engine_name)
+        self.plain_engine = inspect.unwrap(self.engine)
         self.marked_thread = marks.MARKS.thread
 
     @contextlib.contextmanager
@@ -138,6 +144,7 @@ class Switches:
             torch_optimizer._global_optimizer_pre_hooks.clear()
         if pieces >= 7:
             torch.autograd.backward = self.plain_backward
+            setattr(self.engine_owner, self.engine_name, self.plain_engine)
         try:
             yield
         finally:
@@ -146,6 +153,7 @@ class Switches:
             self.optimizer._optimizer_step_pre_hooks.update(self.guard)
             marks.MARKS.thread = self.marked_thread
             torch.autograd.backward = self.backward
+            setattr(self.engine_owner, self.engine_name, self.engine)
             torch_optimizer._global_optimizer_pre_hooks.update(self.global_hooks)
 
 
@@ -244,7 +252,7 @@ def tight_loops(table: dict[str, tuple], switches: Switches) -> dict[str, float]
     def backward(hooked: bool) -> None:
         out = leaf * 2
         if hooked:
-            out.register_hook(replica.reduction.reached)
+            tensor_hooks.hook_output(out, replica.reduction.reached)
         switches.plain_backward(out.sum())
 
     found["ledger: its hook run by backward()"] = _best_us(lambda: backward(True)) - _best_us(

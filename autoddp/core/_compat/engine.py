@@ -39,10 +39,14 @@ def engine_call() -> tuple[Any, str]:
     return autograd, ENGINE_CALL
 
 
+#: The keyword both callers pass: True from ``backward`` (into ``.grad``), False from ``grad``.
+ACCUMULATES = "accumulate_grad"
+
+
 def accumulates(kwargs: dict[str, Any]) -> bool:
     """Whether an engine call (its keyword arguments) accumulates into ``.grad`` (``backward``) or
-    returns the gradients (``grad``)."""
-    return bool(kwargs.get("accumulate_grad", True))
+    returns the gradients (``grad``); ``kwargs.get(ACCUMULATES, True)`` inline on a step's path."""
+    return bool(kwargs.get(ACCUMULATES, True))
 
 
 def keeps_graph(args: tuple) -> bool:

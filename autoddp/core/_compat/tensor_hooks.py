@@ -16,11 +16,14 @@ import torch
 
 from autoddp.core.errors import TorchCompatibilityError
 
+
 class _Hooks(dict):
     """A tensor's hooks dict: a weak reference to it is what ``register_hook``'s handle keeps."""
 
     __slots__ = ("__weakref__",)
 
+
+_Tensor = torch.Tensor
 
 #: The hook's key in the tensor's hooks dict: not an int, so ``RemovableHandle``'s ids (the user's
 #: own ``register_hook`` on the same tensor, later) never replace it.
@@ -30,7 +33,7 @@ KEY = "autoddp"  # (the keyword in ``_Hooks(autoddp=hook)``)
 def hook_output(tensor: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
     """Call ``hook(grad)`` when a backward reaches ``tensor`` (which requires grad), as
     ``tensor.register_hook(hook)`` does, without its handle."""
-    if type(tensor) is torch.Tensor and tensor._backward_hooks is None:
+    if type(tensor) is _Tensor and tensor._backward_hooks is None:
         node = tensor.grad_fn
         if node is not None:
             tensor._backward_hooks = _Hooks(autoddp=hook)

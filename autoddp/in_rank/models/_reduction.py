@@ -46,12 +46,12 @@ def at_engine(original: Callable[..., Any]) -> Callable[..., Any]:
     the step's averaging guard (which passes DDP averaged, a step inside one): ``backward`` and
     ``grad`` alike, under whatever name the caller reached them by (one bound before capture: a
     module imported first, a default argument, a container), nested in another pass's hooks or not."""
-    compiling = torch.compiler.is_compiling
+    compiling, key = torch.compiler.is_compiling, engine.ACCUMULATES
 
     def run(t_outputs: Any, *args: Any, **kwargs: Any) -> Any:
         if compiling():  # traced: exactly the original
             return original(t_outputs, *args, **kwargs)
-        accumulates = engine.accumulates(kwargs)
+        accumulates = kwargs.get(key, True)  # (``engine.accumulates``, inline: every step's path)
         current = CURRENT
         if not current.retained and (not accumulates or engine.keeps_graph(args)):
             current.retained = True  # (a later backward may go through the forwards this one reaches)
@@ -104,7 +104,11 @@ class Ledger:
 
     def reached(self, grad: torch.Tensor) -> None:
         """A backward (or ``torch.autograd.grad``) reached a forward's outputs: did DDP average it?"""
-        if self._arrived():
+        current = CURRENT  # (``_arrived``, inline: every step's path)
+        if current.backward_kind != BACKWARD:  # grad, or None: one imported by name before capture
+            self.unreduced = GRAD  # (its results may be put into .grad; averaging again is exact)
+        elif current.backwards != self.last:  # the first hook this backward pass reaches
+            self.last = current.backwards
             if self.pending:
                 self.pending, self.unreduced = False, None  # DDP averages all of .grad at its end
             else:

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
+from torch import Tensor
 
 from autoddp.core import _class_swap, _compat, _containers, _patches, _warn
 from autoddp.core._compat.calls import bare_forward
@@ -142,8 +143,9 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             synced = ddp.require_backward_grad_sync
         if replica.watched:  # an optimizer's guard reads which backward passes DDP averaged
             ledger = replica.reduction
-            if synced and not current.retained and ledger.unreduced is None:
-                ledger.pending = ledger.blind = True  # (``ledger.forwarded``'s usual step, inline)
+            if synced and current.retained and type(result) is Tensor and result.requires_grad:
+                ledger.pending = True  # (``ledger.forwarded``'s usual step, inline)
+                hook_output(result, ledger.reached)
             else:
                 ledger.forwarded(result, synced)
         if current.split_weight is not None:  # split_batches: this rank's part weighs its share
