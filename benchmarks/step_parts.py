@@ -16,12 +16,9 @@ piece of a few µs shows without hundreds of rounds; the run takes minutes (valg
 
 The captured contender runs in variants that switch autoddp's pieces off one after another:
 
-- ``decorated``: all of it, as under the decorator and the command alike: every forward's outputs
-  hooked (``models._reduction``), every backward pass counted at torch's engine call;
-- ``captured``: without the output hooks (the ledger's unhooked path, which capture no longer
-  takes: what they cost);
-- ``- ledger``: the rest of the ledger, which tells the step guard which backward passes DDP
-  averaged (``models._reduction``; ``replica.watched``);
+- ``decorated``: all of it, as under the decorator and the command alike;
+- ``- ledger``: the ledger, which tells the step guard which backward passes DDP averaged: every
+  forward's outputs hooked (``models._reduction``; ``replica.watched``);
 - ``- guard``: the optimizer's step pre-hook that averages gradients DDP did not
   (``models._averaging``);
 - ``- sampler``: autoddp's sharded sampler (its loader is swapped for hand-written DDP's);
@@ -77,7 +74,6 @@ PHASES = ("data", "forward", "zero_grad", "backward", "step", "total")
 #: The captured contender's variants, each switching off one more piece (module docstring).
 VARIANTS = (
     "decorated",
-    "captured",
     "- ledger",
     "- guard",
     "- sampler",
@@ -134,21 +130,19 @@ class Switches:
     @contextlib.contextmanager
     def off(self, pieces: int) -> Iterator[None]:
         """The first ``pieces`` pieces of ``VARIANTS[1:]`` off for a ``with`` block."""
-        CURRENT.retained = pieces < 1  # (capture hooks every forward's outputs: the first piece)
-        self.replica.watched = pieces < 2
-        if pieces >= 3:
+        self.replica.watched = pieces < 1
+        if pieces >= 2:
             self.optimizer._optimizer_step_pre_hooks.clear()
-        if pieces >= 5:
+        if pieces >= 4:
             marks.MARKS.thread = -2  # (the marks' wrappers pass through: not this thread's calls)
-        if pieces >= 6:
+        if pieces >= 5:
             torch_optimizer._global_optimizer_pre_hooks.clear()
-        if pieces >= 7:
+        if pieces >= 6:
             torch.autograd.backward = self.plain_backward
             setattr(self.engine_owner, self.engine_name, self.plain_engine)
         try:
             yield
         finally:
-            CURRENT.retained = True
             self.replica.watched = True
             self.optimizer._optimizer_step_pre_hooks.update(self.guard)
             marks.MARKS.thread = self.marked_thread
@@ -171,7 +165,7 @@ def contenders(size: str) -> tuple[dict[str, tuple], Switches]:
     ddp_sampler = DistributedSampler(dataset, shuffle=True)
     ddp_batches = batches(DataLoader(dataset, batch_size=BATCH_SIZE, sampler=ddp_sampler), ddp_sampler)
     table = {
-        name: (model, optimizer, captured if pieces < 4 else own, pieces)
+        name: (model, optimizer, captured if pieces < 3 else own, pieces)
         for pieces, name in enumerate(VARIANTS)
     }
     table["ddp under autoddp"] = (ddp, ddp_optimizer, ddp_batches, 0)
@@ -227,7 +221,7 @@ def _best_us(fn: Callable[[], Any], number: int = 300, repeat: int = 30) -> floa
 
 def tight_loops(table: dict[str, tuple], switches: Switches) -> dict[str, float]:
     """Each check alone, µs per step (rank 0; its forwards issue no collective)."""
-    model, optimizer, captured, _ = table["captured"]
+    model, optimizer, captured, _ = table["decorated"]
     ddp = table["ddp"][0]
     replica = switches.replica
     x, _ = next(captured)
@@ -238,15 +232,9 @@ def tight_loops(table: dict[str, tuple], switches: Switches) -> dict[str, float]
         lambda: model(x)
     ) - _best_us(lambda: ddp(x))
     replica.watched = True
-    CURRENT.retained = True
-    found["ledger: hooking a forward's output (capture's)"] = _best_us(
+    found["ledger: hooking a forward's output"] = _best_us(
         lambda: replica.reduction.forwarded(leaf * 2, True)
     ) - _best_us(lambda: leaf * 2)
-    CURRENT.retained = False
-    found["ledger: a forward without a hook"] = _best_us(
-        lambda: replica.reduction.forwarded(leaf * 2, True)
-    ) - _best_us(lambda: leaf * 2)
-    CURRENT.retained = True
     replica.reduction.take()
 
     def backward(hooked: bool) -> None:
@@ -323,8 +311,7 @@ def pieces(blocks: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, flo
     """Each piece's µs per phase: consecutive variants' difference; the routing: the last over ``ddp``."""
     chain = [*VARIANTS, "ddp"]
     names = [
-        "output hooks (every forward)",
-        "ledger",
+        "ledger (every forward's outputs hooked)",
         "guard",
         "sampler",
         "hang marks",
@@ -334,7 +321,6 @@ def pieces(blocks: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, flo
     ]
     found = {name: _paired(blocks, chain[i], chain[i + 1]) for i, name in enumerate(names)}
     found["all of autoddp (command and decorator)"] = _paired(blocks, "decorated", "ddp")
-    found["all of autoddp without the output hooks"] = _paired(blocks, "captured", "ddp")
     found["hooks on a hand-written DDP"] = _paired(blocks, "ddp under autoddp", "ddp")
     return found
 

@@ -121,14 +121,11 @@ class Run:
         #: (window, why) of the first sharded model found accumulating whose reduce-scatters cannot
         #: be deferred (``models._deferral``): every backward synchronises, and capture says why.
         self.undeferred: tuple[int, str] | None = None
-        #: torch.autograd.backward and .grad calls begun under capture, and the kind running now
+        #: torch.autograd.backward and .grad calls begun (``models.count_passes``), and the kind running now
         #: ("backward": accumulating into .grad; "grad": returning gradients; None): the step's
         #: averaging guard tells one backward from the next and sees an optimizer step inside one.
         self.backwards = 0
         self.backward_kind: str | None = None
-        #: A backward that keeps its graph (``retain_graph``, ``create_graph``) or a ``grad`` call has
-        #: run under capture: from then on every forward's outputs are hooked (``models._reduction``).
-        self.retained = False
         #: What strategy="auto" decided in the current world (None: nothing yet).
         self.planned: Planned | None = None
         #: Models wrapped in each joined world, innermost last (weakly: a model may go).

@@ -754,14 +754,20 @@ def test_private_names_are_reached_from_compat_only_and_listed_there():
 REPLACED = """
 import json, torch, torch.distributed.distributed_c10d as c10d
 from autoddp.core._compat import gloo_lines, watch_parameter_changes
+from autoddp.in_rank import models
 from autoddp.in_rank.world import stdout
 
 owners = {"torch.nn.Parameter": torch.nn.Parameter, "torch.nn.Module": torch.nn.Module,
           "torch.utils": torch.utils, "torch.distributed.distributed_c10d": c10d,
-          "torch.Tensor": torch.Tensor, "torch._C.TensorBase": torch._C.TensorBase}
+          "torch.Tensor": torch.Tensor, "torch._C.TensorBase": torch._C.TensorBase,
+          "torch.autograd": torch.autograd}
 before = {k: dict(vars(v)) for k, v in owners.items()}
 watch_parameter_changes(lambda: None)
 gloo_lines.quiet_gloo_connections(stdout.without_lines)
+engine_call = torch.autograd._engine_run_backward
+models.count_passes()
+models.count_passes()  # (once only)
+assert torch.autograd._engine_run_backward.__wrapped__ is engine_call
 changed = sorted(f"{k}.{name}" for k, v in owners.items() for name, value in vars(v).items()
                  if not name.startswith("_autoddp") and before[k].get(name, None) is not value)
 print(json.dumps(changed))
@@ -769,7 +775,7 @@ print(json.dumps(changed))
 
 
 def test_what_is_replaced_for_the_life_of_the_process_is_the_listed():
-    """The two installers that never restore replace exactly what ``_compat.names`` lists
+    """The three installers that never restore replace exactly what ``_compat.names`` lists
     (gloo's group helper only where that torch prints gloo's lines)."""
     from autoddp.core._compat import gloo_lines, names
 

@@ -244,6 +244,47 @@ def test_two_forwards_then_a_backward_for_each_is_averaged_and_said():
     _check(_two_forwards_then_a_backward_each, "two forwards, then a backward for each")
 
 
+def _second_backwards_of_both_kinds(x, y, model, opt) -> nn.Module:
+    half = len(x) // 2
+    for step in range(4):
+        opt.zero_grad()
+        if step % 2:  # two forwards, then a backward for each
+            parts = [model(x[:half]) - y[:half], model(x[half:]) - y[half:]]
+            losses = [part.pow(2).mean().div(2) for part in parts]
+        else:  # one forward, two backward passes through it
+            out = model(x)
+            losses = [(out - y).pow(2).mean(), out.abs().mean()]
+        losses[0].backward(retain_graph=True)
+        losses[1].backward()
+        opt.step()
+    return model
+
+
+def test_with_capture_off_a_model_and_optimizer_passed_in_are_guarded_as_under_capture():
+    """``capture=False``: the model its optimizer was made with before the call is wrapped and its
+    steps guarded all the same, so its backward passes are counted as under capture (they were not:
+    a second backward and two forwards then a backward each went unaveraged, silently)."""
+
+    @autoddp.distributed(nproc=2, capture=False)
+    def train(model, opt):
+        x, y = _share(autoddp.rank(), autoddp.world_size())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _second_backwards_of_both_kinds(x, y, model, opt)
+        flat = _flat(model)
+        everyone = [torch.zeros_like(flat) for _ in range(autoddp.world_size())]
+        dist.all_gather(everyone, flat)
+        return everyone, [str(w.message) for w in caught]
+
+    model = _model()
+    everyone, messages = train(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    one = _model()
+    _second_backwards_of_both_kinds(*_share(0, 1), one, torch.optim.SGD(one.parameters(), lr=0.1))
+    assert torch.equal(everyone[0], everyone[1])
+    torch.testing.assert_close(everyone[0], _flat(one), rtol=1e-5, atol=1e-6)
+    assert len(messages) == 1 and "autoddp average" in messages[0], messages
+
+
 def test_grad_called_in_a_hook_during_a_backward_under_a_name_bound_before_is_averaged_and_said():
     _check(_grad_in_a_hook, "torch.autograd.grad")
 

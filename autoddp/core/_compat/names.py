@@ -86,4 +86,6 @@ REPLACED_FOR_THE_PROCESS = {
     "torch.nn.Module.__delattr__": "to see parameters or submodules removed",
     "torch.utils.swap_tensors": "to see parameters swapped",
     "torch.distributed.distributed_c10d._new_process_group_helper": "gloo's lines off stdout (2.8-2.10)",
+    "torch.autograd._engine_run_backward": "every backward pass counted, from the first guarded model on "
+    "(``models.count_passes``)",
 }

@@ -2,7 +2,7 @@
 and what reads gradients before a step (``clip_grad_norm_``, ``GradScaler.unscale_``).
 
 The first ``backward()`` checks the loss and, with no optimizer made yet, which models it trains by
-hand; each backward pass is counted at torch's engine call (``models.at_engine``); a
+hand; each backward pass is counted at torch's engine call (``models.count_passes``); a
 step says what could not be distributed (``_undistributed``); a user's own
 ``DistributedDataParallel`` takes over from autoddp's, so that a model is never wrapped twice, and
 counts as a model in training for the passes of the loaders (a framework's: Lightning's strategy
@@ -20,7 +20,6 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autoddp.core import _backward, _patches
-from autoddp.core._compat import engine
 from autoddp.core.state import CURRENT
 from autoddp.in_rank import models
 from autoddp.in_rank.capture._notice import where
@@ -59,18 +58,13 @@ class Steps:
     def install(self) -> None:
         patches = [
             (torch.nn.parallel.DistributedDataParallel, "__init__", self._ddp_init),
-            # every backward pass counted where torch runs it, whatever name reached it (one bound
-            # before capture too: a decorated function's module imported it first)
-            (*engine.engine_call(), models.at_engine),
             *((owner, name, self._reading) for owner, name in _GRADIENT_READERS if hasattr(owner, name)),
         ]
         self._patches.install(_patches.wrapping(owner, name, make) for owner, name, make in patches)
         _backward.CALLS.add(self)
-        # Every forward's outputs hooked (``models._reduction``): only they tell which backward DDP
-        # averaged where two forwards come before a backward for each (DDP averages the first), and
-        # what they decide is the same on every rank (a forward of rank 0 alone, in a rank0() body,
-        # decides nothing for the others).
-        CURRENT.retained = True
+        # Every backward pass counted where torch runs it, whatever name reached it (one bound
+        # before capture too: a decorated function's module imported it first): ``models._reduction``.
+        models.count_passes()
 
     def install_step_hook(self) -> None:
         """Every optimizer step, from here on (a global hook: installed after every patch)."""

@@ -30,7 +30,7 @@ from autoddp.in_rank.models._fsdp_state import (
     optimizer_state_dict,
     sharded_model_of,
 )
-from autoddp.in_rank.models._reduction import BACKWARD, at_engine
+from autoddp.in_rank.models._reduction import BACKWARD, count_passes
 from autoddp.in_rank.models._routing import no_sync_at_one_process
 from autoddp.in_rank.models._routing import split_decisions as split_at_call
 from autoddp.in_rank.models._split import check_loss, show_split_loss_whole, split_note
@@ -66,7 +66,7 @@ __all__ = [
     "sharded_model_of",
     # the backward passes and the loss: ``_reduction``, ``_split``, ``_routing``
     "BACKWARD",
-    "at_engine",
+    "count_passes",
     "check_loss",
     "show_split_loss_whole",
     "split_note",

@@ -50,6 +50,7 @@ class _Guard:
                 if deferral is not None and not any(known is deferral for known in self.sharded):
                     self.sharded.append(deferral)
             elif replica is not None and not any(known is model for known in self.models):
+                _reduction.count_passes()  # (its ledger tells one backward pass from the next)
                 replica.watch_submodules(model)  # (the counts this hook compares)
                 if CURRENT.capture is not None and replica.window is None:
                     probe = next((p for p in model.parameters() if p.requires_grad), None)
@@ -94,12 +95,8 @@ class _Guard:
             ledger = replica.reduction
             now = replica.forwards
             if (
-                now != forwards
-                and ledger.unreduced is None
-                and replica.bypasses == bypasses
-                and not (ledger.blind and CURRENT.retained)
+                now != forwards and ledger.unreduced is None and replica.bypasses == bypasses
             ):  # the usual step, DDP averaged all of it: ``_check``'s outcome without its work
-                ledger.blind = False  # (``ledger.take()``, which finds nothing)
                 window = replica.window
                 if window is None:
                     pass

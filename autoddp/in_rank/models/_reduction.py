@@ -12,15 +12,18 @@ backward through forwards that deferred their synchronisation (gradient accumula
 the user's own ``no_sync``) leaves gradients to be averaged by a later synchronised backward, else
 by the guard (``DEFERRED``).
 
-The hooks cost a step a few µs per forward. A capture session hooks every forward (it sets
-``CURRENT.retained`` from its start): leaving outputs unhooked until a backward keeps its graph
-(``blind``, ``UNSURE`` once one does) misses two forwards followed by a backward each, where DDP
-averages the first only, and a rule that turns hooking on where that happens decides on one rank
-alone when rank 0 alone runs a forward (a ``rank0()`` body), so that its step would average alone.
+Every forward through a guarded model's DDP is hooked: leaving outputs unhooked until a backward
+keeps its graph misses two forwards followed by a backward each, where DDP averages the first only,
+and a rule that turns hooking on where that happens decides on one rank alone when rank 0 alone
+runs a forward (a ``rank0()`` body), so that its step would average alone. The counter at the engine
+call is installed for the life of the process by the first guarded model (``count_passes``), under
+capture or not (``autoddp.prepare()`` with ``capture=False``): the hook (``core._compat.tensor_hooks``)
+and the counter cost a step about 15 thousand instructions.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -35,10 +38,20 @@ BACKWARD = "backward"
 GRAD = "grad"
 #: Why ``.grad`` holds local gradients: only backward passes through forwards in ``no_sync``.
 DEFERRED = "deferred"
-#: Why ``.grad`` may hold local gradients: forwards left unhooked before a backward kept its graph.
-UNSURE = "unsure"
 #: The reasons averaged without a word (nothing the user's code did differently from one process).
-SILENT = (DEFERRED, UNSURE)
+SILENT = (DEFERRED,)
+#: Set on the engine call's counter (``count_passes``: installed once).
+_COUNTING = "_autoddp_counts_passes"
+
+
+def count_passes() -> None:
+    """Count every backward pass from now on, for the life of the process (idempotent): a guarded
+    model's ledger tells one pass from the next by it, whoever wrapped the model."""
+    owner, name = engine.engine_call()
+    if not getattr(getattr(owner, name), _COUNTING, False):
+        counter = functools.wraps(getattr(owner, name))(at_engine(getattr(owner, name)))
+        setattr(counter, _COUNTING, True)
+        setattr(owner, name, counter)
 
 
 def at_engine(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -51,12 +64,11 @@ def at_engine(original: Callable[..., Any]) -> Callable[..., Any]:
     def run(t_outputs: Any, *args: Any, **kwargs: Any) -> Any:
         if compiling():  # traced: exactly the original
             return original(t_outputs, *args, **kwargs)
-        accumulates = kwargs.get(key, True)  # (``engine.accumulates``, inline: every step's path)
         current = CURRENT
-        if not current.retained and (not accumulates or engine.keeps_graph(args)):
-            current.retained = True  # (a later backward may go through the forwards this one reaches)
         current.backwards += 1
-        previous, current.backward_kind = current.backward_kind, BACKWARD if accumulates else GRAD
+        previous = current.backward_kind
+        # (``engine.accumulates``, inline: every step's path)
+        current.backward_kind = BACKWARD if kwargs.get(key, True) else GRAD
         try:
             return original(t_outputs, *args, **kwargs)
         finally:
@@ -82,19 +94,10 @@ class Ledger:
         self.last = -1
         #: The reasons the guard has given for averaging this model's gradients (each said once).
         self.said: set[str] = set()
-        #: A forward since the last reduction left unhooked (``UNSURE`` once a graph is kept).
-        self.blind = False
 
     def forwarded(self, result: Any, synced: bool) -> None:
-        """A forward with gradients went through the DDP: hook its outputs (``synced``: not in no_sync),
-        or, until a backward keeps its graph, only where deferred gradients wait for a synchronisation."""
+        """A forward with gradients went through the DDP: hook its outputs (``synced``: not in no_sync)."""
         self.pending = self.pending or synced
-        if not CURRENT.retained:
-            if not synced and self.unreduced is None:
-                self.unreduced = DEFERRED  # (its backward, the only one it can have, leaves them local)
-            if not synced or self.unreduced is None:
-                self.blind = True
-                return
         hook = self.reached if synced else self.reached_deferred
         if type(result) is torch.Tensor:  # the usual output: hooked directly, nothing walked
             if result.requires_grad:
@@ -134,11 +137,9 @@ class Ledger:
 
     def due(self) -> str | None:
         """What left gradients DDP did not average (None: nothing)."""
-        if self.unreduced is None and self.blind and CURRENT.retained:
-            return UNSURE
         return self.unreduced
 
     def take(self) -> str | None:
         """``due()``, forgotten: the caller averages the gradients now."""
-        found, self.unreduced, self.blind = self.due(), None, False
+        found, self.unreduced = self.unreduced, None
         return found

@@ -143,7 +143,7 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             synced = ddp.require_backward_grad_sync
         if replica.watched:  # an optimizer's guard reads which backward passes DDP averaged
             ledger = replica.reduction
-            if synced and current.retained and type(result) is Tensor and result.requires_grad:
+            if synced and type(result) is Tensor and result.requires_grad:
                 ledger.pending = True  # (``ledger.forwarded``'s usual step, inline)
                 hook_output(result, ledger.reached)
             else:
