@@ -47,9 +47,3 @@ def accumulates(kwargs: dict[str, Any]) -> bool:
     """Whether an engine call (its keyword arguments) accumulates into ``.grad`` (``backward``) or
     returns the gradients (``grad``); ``kwargs.get(ACCUMULATES, True)`` inline on a step's path."""
     return bool(kwargs.get(ACCUMULATES, True))
-
-
-def keeps_graph(args: tuple) -> bool:
-    """Whether an engine call keeps its graph: ``(grad_tensors, retain_graph, create_graph, ...)``
-    after the outputs, as both callers pass them."""
-    return bool(args[1]) or bool(args[2]) if len(args) > 2 else True
