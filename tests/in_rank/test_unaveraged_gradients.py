@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import autoddp
+from autoddp.core import _compat
 from conftest import run_python
 
 N = 16  # samples: each rank takes its half, one process the whole (mean losses: the same step)
@@ -341,12 +342,57 @@ def test_lbfgs_line_search_decides_on_the_global_loss_like_one_process():
     assert messages == []
 
 
+class Checkpointed(nn.Module):
+    """A block recomputed in the backward pass by the reentrant ``torch.utils.checkpoint``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.block, self.last = nn.Linear(4, 4), nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.utils.checkpoint.checkpoint(self.block, self.first(x), use_reentrant=True)
+        return self.last(torch.tanh(hidden))
+
+
+def _checkpointed(rank: int, world: int) -> tuple[nn.Module, list[int]]:
+    x, y = _share(rank, world)
+    model = Checkpointed()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    issued = []
+    for _ in range(4):
+        before = _compat.collectives_issued() if dist.is_initialized() else 0
+        opt.zero_grad()
+        (model(x) - y).pow(2).mean().backward()
+        opt.step()
+        issued.append((_compat.collectives_issued() if dist.is_initialized() else 0) - before)
+    return model, issued
+
+
+def test_a_block_recomputed_by_the_reentrant_checkpoint_is_no_call_beside_the_ddp():
+    """The reentrant checkpoint calls the block again inside the backward pass, outside the DDP's
+    forward: its own forward recomputed, not an auxiliary loss. Nothing is said, nothing averaged
+    again (DDP's one all-reduce a step), and the weights are one process's."""
+
+    @autoddp.distributed(nproc=2)
+    def train():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model, issued = _checkpointed(autoddp.rank(), autoddp.world_size())
+        return _flat(model), issued, [str(w.message) for w in caught if "autoddp" in str(w.message)]
+
+    weights, issued, messages = train()
+    torch.testing.assert_close(weights, _flat(_checkpointed(0, 1)[0]), rtol=1e-5, atol=1e-6)
+    assert messages == []
+    assert issued[2:] == [1, 1], issued  # (the first steps: capture's agreement, DDP's bucket rebuild)
+
+
 def test_lbfgs_averages_what_its_closure_leaves_unaveraged_at_every_call():
     _check(_lbfgs_two_backwards, "retain_graph=True", _lbfgs)
 
 
 #: An unchanged script for the command, where capture counts every backward from the first line and
-#: hooks no forward until a backward keeps its graph (``models._reduction``): ``python s.py HABIT``.
+#: hooks every forward's outputs (``models._reduction``): ``python s.py HABIT``.
 SCRIPT = """
     import json, sys, torch
     from torch import nn
@@ -392,10 +438,9 @@ SCRIPT = """
 
 @pytest.mark.parametrize("habit", ["ordinary", "two backwards", "later", "grad by hand"])
 def test_under_the_command_gradients_ddp_did_not_average_are_averaged_from_the_first_step(tmp_path, habit):
-    """Under the command the forwards are left unhooked until a backward keeps its graph or
-    ``torch.autograd.grad`` runs: the step that first does it (the first step, or a later one)
-    still steps on one process's gradients (``--split-batches``: each rank half of every batch),
-    and ordinary steps, before and after it, cost DDP's one all-reduce."""
+    """Under the command, the step that first leaves gradients DDP did not average (the first
+    step, or a later one) still steps on one process's gradients (``--split-batches``: each rank
+    half of every batch), and ordinary steps, before and after it, cost DDP's one all-reduce."""
     script = tmp_path / "habit.py"
     script.write_text(textwrap.dedent(SCRIPT))
     alone = run_python([str(script), habit], timeout=60)
