@@ -107,6 +107,17 @@ def _two_forwards_then_a_backward_each(rank: int, world: int) -> nn.Module:
     return model
 
 
+def _by_functional_call(rank: int, world: int) -> nn.Module:
+    x, y, model, opt = _trained(rank, world)
+    for _ in range(3):
+        loss = lambda params: (torch.func.functional_call(model, params, (x,)) - y).pow(2).mean()  # noqa: E731
+        grads = torch.func.grad(loss)(dict(model.named_parameters()))
+        for name, p in model.named_parameters():
+            p.grad = grads[name]
+        opt.step()  # STEP LINE
+    return model
+
+
 def _grad_in_a_hook(rank: int, world: int, gradients=torch.autograd.grad) -> nn.Module:
     x, y, model, opt = _trained(rank, world)
     for _ in range(4):
@@ -284,6 +295,13 @@ def test_with_capture_off_a_model_and_optimizer_passed_in_are_guarded_as_under_c
     assert torch.equal(everyone[0], everyone[1])
     torch.testing.assert_close(everyone[0], _flat(one), rtol=1e-5, atol=1e-6)
     assert len(messages) == 1 and "autoddp average" in messages[0], messages
+
+
+def test_gradients_from_torch_func_grad_over_functional_call_are_averaged_and_said():
+    """``torch.func.functional_call`` swaps the parameters for the caller's tensors, which DDP cannot
+    run on (it used to fail building a DDP over them): the call is the module's own, and the
+    gradients put into ``.grad`` are averaged at the step."""
+    _check(_by_functional_call, "torch.func.functional_call")
 
 
 def test_grad_called_in_a_hook_during_a_backward_under_a_name_bound_before_is_averaged_and_said():

@@ -114,12 +114,14 @@ class _Guard:
         unreduced = replica.reduction.take()  # (taken by the first optimizer: it averages all)
         if unseen or unreduced or replica.bypasses != bypasses:
             params = [p for p in model.parameters() if p.requires_grad]
-            reason = "unseen" if unseen else unreduced or "beside"
+            unseen_why = "functional" if replica.reparametrized else "unseen"
+            reason = unseen_why if unseen else unreduced or "beside"
             if _mean.average(params) and reason not in _reduction.SILENT:  # (a window guessed wrong: silent)
                 self._say(model, reason, _WORDS[reason](type(model).__name__))
         if replica.window is not None:
             replica.window.stepped(replica.forwards)
         self.seen[index] = (replica.forwards, replica.bypasses)
+        replica.reparametrized = False
 
     def _closure(self, closure: Callable[[], Any]) -> Any:
         """``step(closure)``'s closure: its gradients checked, its loss the mean over the processes.
@@ -191,7 +193,17 @@ def _in_backward() -> str:
     )
 
 
+def _functional(name: str) -> str:
+    return (
+        f"{name} was called through torch.func.functional_call (with parameters of the caller's, as "
+        "torch.func.grad needs), which DDP cannot run, so DDP did not average its gradients; autoddp "
+        "averaged them before optimizer.step() instead (exact; one all-reduce per such step, not "
+        "overlapped with the backward pass). Nothing to change unless that communication matters"
+    )
+
+
 _WORDS = {
+    "functional": _functional,
     "unseen": _without_ddp,
     "beside": _beside_ddp,
     _reduction.GRAD: _by_hand,

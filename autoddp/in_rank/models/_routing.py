@@ -319,12 +319,10 @@ class _Watch:
 
     A call with gradients outside the DDP's forward hooks its output; the count moves when a
     backward reaches it (an auxiliary loss), not for a forward nobody trains with (a metric, a
-    log line on one rank), so every rank agrees on it. A call during a backward pass is the
-    forward's own, recomputed (``torch.utils.checkpoint`` with ``use_reentrant=True`` runs it again
-    and its backward inside the pass, where DDP's hooks average its parameters' gradients).
-    ``module(...)`` runs the bound ``__call__`` (``_compat.route_calls``: a plain method call, the
-    cheapest), which runs what the call ran before (``before``: a ``Module.compile()`` of the
-    user's, else its own call).
+    log line on one rank), so every rank agrees on it; not in a backward pass (the reentrant
+    checkpoint's recomputation, which DDP averages). ``module(...)`` runs the bound ``__call__``
+    (``_compat.route_calls``), which runs what the call ran before (``before``: a
+    ``Module.compile()`` of the user's, else its own call).
     Pickles and copies of the submodule leave it out: they hold what one process's hold.
     """
 

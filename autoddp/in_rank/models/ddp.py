@@ -87,8 +87,9 @@ class Replica:
         self.forwards = 0
         #: Backward passes through submodules called outside the DDP's forward (``_routing.watch``).
         self.bypasses = 0
-        #: Whether the submodules count those passes: only for an optimizer's guard, the one reader
-        #: (``_averaging``); without one, a submodule's call costs nothing more than the plain call.
+        #: A call ran without the DDP: parameters swapped for the caller's (``torch.func.functional_call``).
+        self.reparametrized = False
+        #: Whether the submodules count those passes: only for an optimizer's guard (``_averaging``).
         self.watched = False
         self.reduction = _reduction.Ledger()  # which backward passes DDP averaged (the guard's)
         #: The gradient-accumulation window learned from an optimizer's steps (``_window``), set by
@@ -159,6 +160,9 @@ class Replica:
         A module with lazy layers (``nn.LazyLinear``) gets its parameters first: one forward of
         these inputs in eval mode, without gradients, then rank 0's weights everywhere.
         """
+        if any(not isinstance(p, torch.nn.Parameter) for p in module.parameters()):
+            self.reparametrized = True  # (functional_call's tensors: no DDP; the guard averages)
+            return None
         if self.lazy:
             _materialize(module, args, kwargs or {})
             self.lazy = False
