@@ -126,6 +126,10 @@ class Run:
         #: averaging guard tells one backward from the next and sees an optimizer step inside one.
         self.backwards = 0
         self.backward_kind: str | None = None
+        #: The number of the pass running now (``backwards`` when it began; the outer pass's again
+        #: once one nested in its hooks returns), and the ``inputs`` it was given (None: none).
+        self.backward_number = 0
+        self.backward_inputs: tuple | None = None
         #: What strategy="auto" decided in the current world (None: nothing yet).
         self.planned: Planned | None = None
         #: Models wrapped in each joined world, innermost last (weakly: a model may go).

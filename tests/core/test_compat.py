@@ -668,7 +668,8 @@ def _defined_by_autoddp(package) -> set[str]:
 @pytest.mark.unit
 def test_the_engine_call_runs_every_backward_and_grad_whatever_name_reached_them(monkeypatch):
     """``engine.engine_call``: ``backward`` and ``grad`` both run their pass through it, also under a
-    name bound before it was replaced, saying whether the pass accumulates into ``.grad``."""
+    name bound before it was replaced, saying whether the pass accumulates into ``.grad`` and the
+    ``inputs`` it was given."""
     from torch.autograd import backward as bound_backward
     from torch.autograd import grad as bound_grad
 
@@ -678,7 +679,7 @@ def test_the_engine_call_runs_every_backward_and_grad_whatever_name_reached_them
     original, seen = getattr(owner, name), []
 
     def recording(outputs, *args, **kwargs):
-        seen.append(engine.accumulates(kwargs))
+        seen.append((engine.accumulates(kwargs), engine.inputs(args)))
         return original(outputs, *args, **kwargs)
 
     monkeypatch.setattr(owner, name, recording)
@@ -688,7 +689,9 @@ def test_the_engine_call_runs_every_backward_and_grad_whatever_name_reached_them
     bound_backward((x * 4).sum(), retain_graph=True)
     torch.autograd.grad((x * 5).sum(), x, create_graph=True)
     torch.autograd.grad((x * 6).sum(), x, retain_graph=True)
-    assert seen == [True, False, True, False, False]
+    assert seen == [(True, ()), (False, (x,)), (True, ()), (False, (x,)), (False, (x,))]
+    (x * 7).sum().backward(inputs=[x])
+    assert seen[-1] == (True, (x,))
     monkeypatch.setattr(owner, name, original)
     monkeypatch.delattr(owner, name)
     with pytest.raises(TorchCompatibilityError, match="_engine_run_backward"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import json
 import textwrap
 import warnings
@@ -130,6 +131,44 @@ def _grad_in_a_hook(rank: int, world: int, gradients=torch.autograd.grad) -> nn.
             p.grad.add_(g)
         opt.step()  # STEP LINE
         opt.zero_grad()
+    return model
+
+
+def _pass_in_a_hook_before_the_output(rank: int, world: int, by_grad: bool = False) -> nn.Module:
+    x, y, model, opt = _trained(rank, world)
+    for _ in range(3):
+        opt.zero_grad()
+        out, extra = model(x), model(x * 2).pow(2).mean() * 0.1
+        params, found, error = list(model.parameters()), [], (out - y) * 1.0
+        if by_grad:  # its results added to .grad after the pass
+            error.register_hook(lambda g, f=found, e=extra, ps=params: f.append(torch.autograd.grad(e, ps)))
+        else:  # a second backward through the forward, begun before the output's hook
+            aux = out.abs().mean()
+            error.register_hook(lambda g, a=aux: a.backward(retain_graph=True))
+        error.pow(2).mean().backward()
+        for p, g in zip(params, found[0] if found else [], strict=False):
+            p.grad.add_(g)
+        opt.step()  # STEP LINE
+    return model
+
+
+def _grad_in_a_hook_before_the_output(rank: int, world: int) -> nn.Module:
+    return _pass_in_a_hook_before_the_output(rank, world, by_grad=True)
+
+
+def _saliency_on_rank0(rank: int, world: int) -> nn.Module:
+    x, y, model, opt = _trained(rank, world)
+    for _ in range(3):
+        opt.zero_grad()
+        image = x.clone().requires_grad_()
+        out = model(image)
+        loss = (out - y).pow(2).mean()
+        loss.backward(retain_graph=True)
+        if rank == 0:  # a saliency map, logged by one rank: nothing of the model's .grad
+            torch.autograd.grad(loss, image, retain_graph=True)
+            loss.backward(inputs=[image])
+        torch.save(out, io.BytesIO())  # (the output's hooks say nothing)
+        opt.step()
     return model
 
 
@@ -306,6 +345,24 @@ def test_gradients_from_torch_func_grad_over_functional_call_are_averaged_and_sa
 
 def test_grad_called_in_a_hook_during_a_backward_under_a_name_bound_before_is_averaged_and_said():
     _check(_grad_in_a_hook, "torch.autograd.grad")
+
+
+def test_a_pass_run_from_a_hook_before_the_output_is_told_from_the_pass_around_it():
+    """A backward or ``grad`` run from a hook the outer pass reaches before the model's output: the
+    outer pass is still a second backward, and the nested ``grad``'s mark is kept (they were
+    taken for one pass, silently)."""
+    _check(_pass_in_a_hook_before_the_output, "retain_graph=True")
+    _check(_grad_in_a_hook_before_the_output, "torch.autograd.grad", _pass_in_a_hook_before_the_output)
+
+
+def test_a_pass_given_inputs_outside_the_model_leaves_it_alone_on_one_rank_too():
+    """``grad(loss, image)`` and ``backward(inputs=[image])`` on rank 0 alone (a saliency map) touch
+    no ``.grad`` of the model's: nothing averaged (it hung: rank 0 averaged alone), nothing said,
+    and saving an output says nothing either."""
+    everyone, messages = _run(_saliency_on_rank0)
+    assert torch.equal(everyone[0], everyone[1])
+    torch.testing.assert_close(everyone[0], _flat(_saliency_on_rank0(0, 1)), rtol=1e-5, atol=1e-6)
+    assert messages == []
 
 
 def test_a_second_backward_through_a_forward_returning_a_dataclass_is_averaged_and_said():

@@ -41,9 +41,18 @@ def engine_call() -> tuple[Any, str]:
 
 #: The keyword both callers pass: True from ``backward`` (into ``.grad``), False from ``grad``.
 ACCUMULATES = "accumulate_grad"
+#: Where both callers pass the pass's ``inputs`` (a tuple; empty from ``backward`` without them),
+#: after the outputs: ``(grad_tensors, retain_graph, create_graph, inputs, ...)``.
+INPUTS_AT = 3
 
 
 def accumulates(kwargs: dict[str, Any]) -> bool:
     """Whether an engine call (its keyword arguments) accumulates into ``.grad`` (``backward``) or
     returns the gradients (``grad``); ``kwargs.get(ACCUMULATES, True)`` inline on a step's path."""
     return bool(kwargs.get(ACCUMULATES, True))
+
+
+def inputs(args: tuple) -> tuple:
+    """The ``inputs`` an engine call (its positional arguments after the outputs) was given: the
+    tensors whose gradients it computes; empty where ``backward`` was given none (every leaf)."""
+    return tuple(args[INPUTS_AT]) if len(args) > INPUTS_AT and args[INPUTS_AT] else ()

@@ -5,7 +5,8 @@ counter) and an ``OrderedDict`` per tensor, about 20 thousand instructions, paid
 of a guarded model. What it leaves behind is torch's C hook reading the tensor's
 ``_backward_hooks`` dict, registered on its ``grad_fn`` by ``Node._register_hook_dict``
 (torch 2.4 to 2.15): setting both directly leaves the same hook for about 8 thousand. A tensor that
-already has hooks, is not a plain ``torch.Tensor`` or has no ``grad_fn`` takes ``register_hook``.
+already has hooks, is not a plain ``torch.Tensor`` or has no ``grad_fn`` takes ``register_hook``
+(a leaf, once).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def hook_output(tensor: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> N
                 tensor._backward_hooks = None
                 raise _changed() from None
             return
+    hooks = tensor._backward_hooks
+    if tensor.grad_fn is None and hooks is not None and any(each == hook for each in hooks.values()):
+        return  # a leaf hooked by an earlier forward (a parameter the forward returns): once is enough
     tensor.register_hook(hook)
 
 

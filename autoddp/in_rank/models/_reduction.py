@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.hooks import unserializable_hook
 
 from autoddp.core._compat import engine, tensor_hooks
 from autoddp.core.state import CURRENT
@@ -59,20 +60,22 @@ def at_engine(original: Callable[..., Any]) -> Callable[..., Any]:
     the step's averaging guard (which passes DDP averaged, a step inside one): ``backward`` and
     ``grad`` alike, under whatever name the caller reached them by (one bound before capture: a
     module imported first, a default argument, a container), nested in another pass's hooks or not."""
-    compiling, key = torch.compiler.is_compiling, engine.ACCUMULATES
+    compiling, key, at = torch.compiler.is_compiling, engine.ACCUMULATES, engine.INPUTS_AT
 
     def run(t_outputs: Any, *args: Any, **kwargs: Any) -> Any:
         if compiling():  # traced: exactly the original
             return original(t_outputs, *args, **kwargs)
         current = CURRENT
+        previous = current.backward_kind, current.backward_number, current.backward_inputs
         current.backwards += 1
-        previous = current.backward_kind
-        # (``engine.accumulates``, inline: every step's path)
+        current.backward_number = current.backwards  # (this pass's: back to the outer one's after it)
+        # (``engine.accumulates`` and ``engine.inputs``, inline: every step's path)
         current.backward_kind = BACKWARD if kwargs.get(key, True) else GRAD
+        current.backward_inputs = (args[at] if len(args) > at else None) or None
         try:
             return original(t_outputs, *args, **kwargs)
         finally:
-            current.backward_kind = previous
+            current.backward_kind, current.backward_number, current.backward_inputs = previous
 
     return run
 
@@ -83,15 +86,22 @@ def stepping_in_backward() -> bool:
 
 
 class Ledger:
-    """Whether a model's ``.grad`` holds gradients DDP did not average since its last reduction."""
+    """Whether a model's ``.grad`` holds gradients DDP did not average since its last reduction.
 
-    def __init__(self) -> None:
+    ``parameters()``: the model's (a pass given ``inputs`` that holds none of them leaves its
+    ``.grad`` alone: a saliency map's ``grad(loss, x)``, ``backward(inputs=[out])``, on one rank or all).
+    """
+
+    def __init__(self, parameters: Callable[[], Any]) -> None:
+        self.parameters = parameters
         #: A forward through the DDP with synchronisation on awaits the backward DDP averages.
         self.pending = False
         #: What put gradients DDP did not average into ``.grad`` since its last reduction, or None.
         self.unreduced: str | None = None
-        #: The number of the last backward that reached this model's forwards (``CURRENT.backwards``).
+        #: The number of the last backward that reached this model's forwards (``CURRENT.backward_number``).
         self.last = -1
+        #: The number of the pass that set ``unreduced`` (a pass nested in a later one's hooks: kept).
+        self.marked = -1
         #: The reasons the guard has given for averaging this model's gradients (each said once).
         self.said: set[str] = set()
 
@@ -105,35 +115,53 @@ class Ledger:
         else:
             on_backward(result, hook)
 
+    @unserializable_hook
     def reached(self, grad: torch.Tensor) -> None:
         """A backward (or ``torch.autograd.grad``) reached a forward's outputs: did DDP average it?"""
         current = CURRENT  # (``_arrived``, inline: every step's path)
+        number = current.backward_number
+        if current.backward_inputs is not None and not self._touched(current.backward_inputs):
+            return  # (a pass that leaves this model's .grad alone)
         if current.backward_kind != BACKWARD:  # grad, or None: one imported by name before capture
-            self.unreduced = GRAD  # (its results may be put into .grad; averaging again is exact)
-        elif current.backwards != self.last:  # the first hook this backward pass reaches
-            self.last = current.backwards
-            if self.pending:
-                self.pending, self.unreduced = False, None  # DDP averages all of .grad at its end
+            self.unreduced, self.marked = GRAD, number  # (its results may be put into .grad)
+        elif number != self.last:  # the first hook this backward pass reaches
+            self.last = number
+            if not self.pending:
+                self.unreduced, self.marked = BACKWARD, number  # a second backward through one forward
             else:
-                self.unreduced = BACKWARD  # a second backward through one forward (retain_graph)
+                self.pending = False  # DDP averages all of .grad at its end
+                if self.marked < number:  # (not what a pass inside this one's hooks left)
+                    self.unreduced = None
 
+    @unserializable_hook
     def reached_deferred(self, grad: torch.Tensor) -> None:
         """A backward reached a forward made in ``no_sync``: its gradients wait for a synchronisation."""
         if self._arrived():
+            number = CURRENT.backward_number
             if self.pending:
-                self.pending, self.unreduced = False, None  # a synchronised forward's backward too
+                self.pending = False  # a synchronised forward's backward too
+                if self.marked < number:
+                    self.unreduced = None
             elif self.unreduced is None:
-                self.unreduced = DEFERRED
+                self.unreduced, self.marked = DEFERRED, number
 
     def _arrived(self) -> bool:
         """Whether this is the first hook a new backward pass reaches (``torch.autograd.grad``: noted)."""
-        if CURRENT.backward_kind != BACKWARD:  # grad, or None: one imported by name before capture
-            self.unreduced = GRAD  # (its results may be put into .grad; averaging again is exact)
+        current = CURRENT
+        if current.backward_inputs is not None and not self._touched(current.backward_inputs):
             return False
-        if CURRENT.backwards == self.last:
+        if current.backward_kind != BACKWARD:  # grad, or None: one imported by name before capture
+            self.unreduced, self.marked = GRAD, current.backward_number
+            return False
+        if current.backward_number == self.last:
             return False  # another output, or another forward, of the same backward
-        self.last = CURRENT.backwards
+        self.last = current.backward_number
         return True
+
+    def _touched(self, inputs: Any) -> bool:
+        """Whether a pass given ``inputs`` reaches this model's ``.grad`` (or returns its gradients)."""
+        given = {id(t) for t in inputs if isinstance(t, torch.Tensor)}
+        return any(id(p) in given for p in self.parameters())
 
     def due(self) -> str | None:
         """What left gradients DDP did not average (None: nothing)."""

@@ -91,7 +91,7 @@ class Replica:
         self.reparametrized = False
         #: Whether the submodules count those passes: only for an optimizer's guard (``_averaging``).
         self.watched = False
-        self.reduction = _reduction.Ledger()  # which backward passes DDP averaged (the guard's)
+        self.reduction = _reduction.Ledger(lambda: (e[0] for e in self.signature))  # the guard's
         #: The gradient-accumulation window learned from an optimizer's steps (``_window``), set by
         #: the guard under capture (which also averages what a wrong guess left local); None: sync all.
         self.window: _window.Window | None = None
