@@ -186,17 +186,33 @@ class Regressor(nn.Module):
         return Output(self.net(x))
 
 
-def _two_backwards_through_a_dataclass(rank: int, world: int) -> nn.Module:
+class Policy(Regressor):
+    """A forward that returns a ``torch.distributions`` object (a policy), no container."""
+
+    def forward(self, x: torch.Tensor) -> torch.distributions.Normal:  # type: ignore[override]
+        mean = self.net(x)
+        return torch.distributions.Normal(mean, torch.ones_like(mean))
+
+
+def _two_backwards_through_a_dataclass(rank: int, world: int, policy: bool = False) -> nn.Module:
     x, y = _share(rank, world)
-    model = Regressor()
+    model = Policy() if policy else Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(3):
         opt.zero_grad()
-        out = model(x).prediction
-        (out - y).pow(2).mean().backward(retain_graph=True)
-        out.abs().mean().backward()
+        out = model(x)
+        if policy:
+            first, second = -out.log_prob(y).mean(), out.mean.abs().mean()
+        else:
+            first, second = (out.prediction - y).pow(2).mean(), out.prediction.abs().mean()
+        first.backward(retain_graph=True)
+        second.backward()
         opt.step()  # STEP LINE
     return model
+
+
+def _two_backwards_through_a_distribution(rank: int, world: int) -> nn.Module:
+    return _two_backwards_through_a_dataclass(rank, world, policy=True)
 
 
 def _ordinary(rank: int, world: int) -> nn.Module:
@@ -367,6 +383,10 @@ def test_a_pass_given_inputs_outside_the_model_leaves_it_alone_on_one_rank_too()
 
 def test_a_second_backward_through_a_forward_returning_a_dataclass_is_averaged_and_said():
     _check(_two_backwards_through_a_dataclass, "retain_graph=True")
+
+
+def test_a_second_backward_through_a_forward_returning_a_distribution_is_averaged_and_said():
+    _check(_two_backwards_through_a_distribution, "retain_graph=True", _two_backwards_through_a_dataclass)
 
 
 def test_ordinary_steps_are_left_to_ddp_alone():

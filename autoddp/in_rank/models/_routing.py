@@ -5,19 +5,17 @@ qualified name) whose ``__call__`` asks the module's ``Replica`` (kept in the in
 ``__dict__``) for an up-to-date DDP while gradients are recorded, and runs the plain module
 otherwise. ``no_sync`` is always there (a no-op without DDP). Under an optimizer's guard, a
 forward that the gradient-accumulation window says is not the last before a step runs in DDP's
-``no_sync`` (``_window``). Pickling, ``torch.save(model)``
-and ``copy.deepcopy`` give what one process gives: the plain class, the same globals, nothing of
-autoddp (``_class_swap.plain_reduce``). User methods that compute with gradients without calling
-the model warn once (DDP cannot see them). A ``torch.compile`` result made over the module after
-it was wrapped compiles the module's own calls in place (``_adopt_compile``), as one made before.
+``no_sync`` (``_window``). Pickling, ``torch.save(model)`` and ``copy.deepcopy`` give what one
+process gives: the plain class, the same globals, nothing of autoddp (``_class_swap.plain_reduce``).
+User methods that compute with gradients without calling the model warn once (DDP cannot see
+them). A ``torch.compile`` result made over the module after it was wrapped compiles the module's
+own calls in place (``_adopt_compile``), as one made before.
 
 The submodules owning parameters keep their own class (``type(m) is nn.Linear`` holds); once an
-optimizer's guard (``_averaging``, capture's) reads the counts, each gets
-its calls routed through a watcher (``watch``; ``_compat.route_calls``, which pickles leave out)
-that counts, on the root's replica, backward
-passes through calls made outside the DDP's forward (``model.encoder(x)`` beside ``model(x)``),
-so that the optimizer's guard averages those gradients (``_averaging``). Inside the DDP's forward
-(every normal step) it costs one method call and two attribute reads per submodule call.
+optimizer's guard (``_averaging``, capture's) reads the counts, each gets its calls routed
+through a watcher (``watch``; ``_compat.route_calls``, which pickles leave out) that counts, on
+the root's replica, backward passes through calls made outside the DDP's forward
+(``model.encoder(x)`` beside ``model(x)``), which the optimizer's guard averages (``_averaging``).
 """
 
 from __future__ import annotations
@@ -348,10 +346,13 @@ class _Watch:
 
 
 def on_backward(value: Any, hook: Callable[[torch.Tensor], None]) -> None:
-    """Hook every tensor in ``value`` (nested lists, tuples, dicts, dataclasses) a backward may reach."""
+    """Hook every tensor in ``value`` (nested lists, tuples, dicts, dataclasses, and the attributes of
+    an object that is none of them: a ``torch.distributions`` one, a namespace) a backward may reach."""
     for item in _containers.leaves(value):
-        if isinstance(item, torch.Tensor) and item.requires_grad:
-            hook_output(item, hook)
+        opaque = hasattr(item, "__dict__") and not isinstance(item, (torch.Tensor, type, torch.nn.Module))
+        for inner in _containers.leaves(list(vars(item).values())) if opaque else (item,):
+            if isinstance(inner, torch.Tensor) and inner.requires_grad:
+                hook_output(inner, hook)
 
 
 def _watcher(module: torch.nn.Module) -> _Watch | None:
