@@ -17,8 +17,10 @@ keeps its graph misses two forwards followed by a backward each, where DDP avera
 and a rule that turns hooking on where that happens decides on one rank alone when rank 0 alone
 runs a forward (a ``rank0()`` body), so that its step would average alone. The counter at the engine
 call is installed for the life of the process by the first guarded model (``count_passes``), under
-capture or not (``autoddp.prepare()`` with ``capture=False``): the hook (``core._compat.tensor_hooks``)
-and the counter cost a step about 15 thousand instructions.
+capture or not (``capture=False`` with a model and its optimizer made before the call): the hook
+(``core._compat.tensor_hooks``) and the counter cost a step about 15 thousand instructions. Each
+pass is numbered as it runs (``CURRENT.backward_number``: a pass run from another's hooks has its
+own, and the outer one its own again after it) with the ``inputs`` it was given.
 """
 
 from __future__ import annotations
