@@ -725,6 +725,38 @@ def test_an_output_hooked_without_a_handle_is_called_once_per_pass_beside_the_us
     assert sorted(map(str, seen[2:])) == ["hooked", "leaf", "user's first"]
 
 
+UNUSED = """
+import torch, torch.distributed as dist
+from autoddp.core._compat import ddp_errors
+
+dist.init_process_group("gloo")
+model = torch.nn.ModuleDict({"frozen": torch.nn.Linear(2, 2), "used": torch.nn.Linear(2, 2),
+                             "unused": torch.nn.Linear(2, 1)})
+model["frozen"].requires_grad_(False)
+forward = lambda x: model["used"](model["frozen"](x))
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+ddp.module.forward = forward
+for _ in range(2):
+    try:
+        ddp(torch.ones(1, 2)).sum().backward()
+    except RuntimeError as error:
+        print(ddp_errors.unused_parameters(error, model))
+"""
+
+
+def test_the_parameters_ddp_says_got_no_gradient_are_read_from_its_message(tmp_path):
+    """``ddp_errors.unused_parameters``: DDP's error lists them by index among the parameters that
+    require a gradient; read back as names, frozen ones skipped."""
+    from autoddp.core._compat import ddp_errors
+
+    script = tmp_path / "unused.py"
+    script.write_text(UNUSED)
+    done = run_python(["-m", "torch.distributed.run", "--nproc-per-node", "1", str(script)], timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "['unused.weight', 'unused.bias']", done.stdout
+    assert ddp_errors.unused_parameters(RuntimeError("another error"), torch.nn.Linear(1, 1)) is None
+
+
 def test_private_names_are_reached_from_compat_only_and_listed_there():
     """The inventory in ``_compat.names`` is the code's: every private torch (or CPython) name is
     used in ``autoddp/core/_compat`` only, each one used there is listed, and each listed is used."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from autoddp.core._compat import losses, releases  # noqa: F401 (losses: read as _compat.losses)
+from autoddp.core._compat import ddp_errors, losses, releases  # noqa: F401 (read as _compat.losses, ...)
 from autoddp.core._compat.releases import torch_at_least
 from autoddp.core.errors import TorchCompatibilityError
 

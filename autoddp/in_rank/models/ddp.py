@@ -212,7 +212,7 @@ class Replica:
         """DDP's error about parameters that got no gradient, as one naming them and the fix."""
         if "Expected to have finished reduction in the prior iteration" not in str(error):
             return error
-        unused = [name for name, p in module.named_parameters() if p.requires_grad and p.grad is None]
+        unused = _compat.ddp_errors.unused_parameters(error, module)  # (named from DDP's indices)
         listed = ", ".join(unused[:6]) + (" ..." if len(unused) > 6 else "") if unused else "some"
         return ConfigurationError(
             f"{type(module).__name__} has parameters that take no part in computing the loss ({listed}), "
