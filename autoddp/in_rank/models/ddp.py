@@ -160,9 +160,6 @@ class Replica:
         A module with lazy layers (``nn.LazyLinear``) gets its parameters first: one forward of
         these inputs in eval mode, without gradients, then rank 0's weights everywhere.
         """
-        if any(not isinstance(p, torch.nn.Parameter) for p in module.parameters()):
-            self.reparametrized = True  # (functional_call's tensors: no DDP; the guard averages)
-            return None
         if self.lazy:
             _materialize(module, args, kwargs or {})
             self.lazy = False
@@ -170,6 +167,9 @@ class Replica:
             self.synced = True
             return module.__dict__.get(_routing.DDP_ATTR)
         if self._changed(module):
+            if any(not isinstance(p, torch.nn.Parameter) for p in module.parameters()):
+                self.reparametrized, self.events = True, -1  # functional_call's: no DDP (looked at again)
+                return None
             self.build(module)
             self.synced = True  # DDP's constructor broadcast rank 0's parameters and buffers
         elif not self.synced:
