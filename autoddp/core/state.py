@@ -78,6 +78,12 @@ class Planned:
     watch: Any = None
     #: Whether that first step was weighed.
     stepped: bool = False
+    #: Whether a plan was taken that does not fit (none did): the first step is not weighed then.
+    overcommitted: bool = False
+    #: On the CPU: the resident bytes when the peak was last reset (at a wrap), and the bytes of the
+    #: wrapped models' state resident then (the first step's peak is weighed from both).
+    resident_from: int | None = None
+    held: int = 0
     #: Why each model got its plan, for the notice (weakly: a model may go).
     notes: weakref.WeakKeyDictionary[Any, str] = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
 

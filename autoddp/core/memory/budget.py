@@ -28,6 +28,10 @@ from autoddp.core.memory.sizes import format_bytes
 
 #: The share of a GPU's total memory left out of the default budget (module docstring).
 GPU_MARGIN = 0.10
+#: What a CPU process's first training step may hold beyond its budget before it counts as over:
+#: the runtime's own growth at a first step (code paged in, threads' stacks and arenas: 7-11 MiB
+#: for a small model on torch 2.13), which the resident peak counts and no model's state is.
+CPU_RUNTIME = 32 * 2**20
 
 
 class Rung(NamedTuple):

@@ -64,6 +64,7 @@ class Optimizers:
                 self._constructing.discard(id(optimizer))
             models.bind_optimizer(optimizer)  # over sharded parameters: full state loads into shards
             models.guard_optimizer(optimizer)  # steps DDP did not see still get averaged gradients
+            models.measured_from_here()  # (strategy="auto": the first step's peak, from here)
 
         return __init__
 

@@ -52,6 +52,7 @@ __all__ = [
     "strategy_label",
     "plan_note",
     "class_name",
+    "measured_from_here",
     "recovering",
     "sharding",
     "ddp_in_charge",
@@ -158,9 +159,17 @@ def wrap(
     options = _plan.resolve(module, world, options, training)
     before = list(module.named_parameters())
     wrapped = _named(options.strategy).wrap(module, world, options, move=move)
-    _plan.measured_from_here(world)
     _rebind.rebind_optimizers(_rebind.remember(wrapped, before), optimizers)
+    del before  # (the parameters sharding replaced: no step's memory)
+    _plan.measured_from_here(world)
     return wrapped
+
+
+def measured_from_here() -> None:
+    """Once an optimizer is made over wrapped models (the parameters sharding replaced let go of):
+    the first step's peak counts from here (``_plan.measured_from_here``)."""
+    if CURRENT.world is not None:
+        _plan.measured_from_here(CURRENT.world)
 
 
 def rebind_optimizers(optimizers: Iterable[torch.optim.Optimizer], models: Iterable[torch.nn.Module]) -> None:

@@ -12,8 +12,11 @@ least budget and the largest needs of any rank, so no rank can take another plan
 not known yet at that point (no batch has been seen): the plan fits the state, and the notice
 says so.
 
-On a GPU the first optimizer step's peak, counted from the wrap (``measured_from_here``), is
-weighed against the budget too (``first_step_exceeds``). Over it, or out of memory under a plan
+The first optimizer step's peak, counted from the wrap (``measured_from_here``), is weighed
+against the budget too (``first_step_exceeds``): on a GPU torch's allocator counts it
+(``torch.cuda.max_memory_allocated``); on the CPU the process's resident peak from the wrap on
+(``core.memory.resident``), less what was resident then, plus the state then held (the
+parameters, buffers and DDP's gradient buckets). Over it, or out of memory under a plan
 taken here (torch's ``OutOfMemoryError`` reaching the end of the user's code, ``recovering``),
 the rank raises ``MemoryPlanError`` naming the next plan; autoddp's launcher on one machine starts
 every rank again once, with ``AUTODDP_PLAN_FLOOR`` set to it, and this module then starts the
@@ -39,7 +42,7 @@ import torch
 from autoddp.core import _compat, _variables, _warn
 from autoddp.core.errors import MemoryPlanError
 from autoddp.core.memory import budget as budget_
-from autoddp.core.memory import estimate
+from autoddp.core.memory import estimate, resident
 from autoddp.core.memory.optimizers import Group
 from autoddp.core.memory.sizes import format_bytes
 from autoddp.core.state import CURRENT, Planned, RunOptions, World
@@ -88,6 +91,7 @@ def resolve(
     restarted = f" (restarted at {floor}: the last run ran out of memory)" if floor in allowed else ""
     _keep_note(planned, module, f"auto{restarted}: {choice.describe()}{notes}")
     if not choice.fits:
+        planned.overcommitted = True  # (no first-step check: no plan would fit; the warning says so)
         _warn.warn(
             f"{_name(module)}'s state needs {format_bytes(needs[choice.name])} per process under the "
             f"plan that needs the fewest bytes ({choice.name}), more than the {format_bytes(left)} this "
@@ -148,13 +152,21 @@ def recovering() -> Iterator[None]:
 
 
 def measured_from_here(world: World) -> None:
-    """After a model was wrapped under a plan "auto" took on a GPU: the device's peak counts from
-    here (the whole model the script moved there before it was sharded is no step's), and the
-    first optimizer step's peak is weighed against the budget (``first_step_exceeds``)."""
+    """After a model was wrapped under a plan "auto" took (and again once its optimizer is made,
+    which lets go of the parameters sharding replaced): the peak counts from here (the whole model
+    the script built or moved before it was sharded is no step's), and the first optimizer step's
+    peak is weighed against the budget (``first_step_exceeds``). On the CPU, where the resident
+    peak cannot be reset (no Linux), nothing is weighed."""
     planned = CURRENT.planned
-    if planned is None or not planned.taken or not world.device.startswith("cuda"):
+    if planned is None or not planned.taken or planned.stepped or planned.overcommitted:
         return
-    torch.cuda.reset_peak_memory_stats(world.device)
+    if world.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(world.device)
+    else:
+        if not resident.reset_peak():
+            return
+        planned.resident_from = resident.resident()
+        planned.held = sum(_held(model) for model in CURRENT.wrapped_models())
     if planned.watch is None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -162,25 +174,55 @@ def measured_from_here(world: World) -> None:
         planned.watch = register_optimizer_step_post_hook(check)  # (removed with the world)
 
 
+def _held(module: torch.nn.Module) -> int:
+    """The bytes of ``module``'s state this process holds now: its parameters and buffers (its own
+    shards, where sharded) and DDP's gradient buckets (made with the DDP, before any backward)."""
+    from autoddp.in_rank.models import ddp
+
+    def local(tensor: torch.Tensor) -> int:
+        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # (a DTensor's shard)
+        return tensor.numel() * tensor.element_size()
+
+    held = sum(local(t) for t in (*module.parameters(), *module.buffers()))
+    if ddp.ddp_of(module) is not None:
+        held += sum(local(p) for p in module.parameters() if p.requires_grad)
+    return held
+
+
 def _after_first_step(planned: Planned, device: str, *_: Any) -> None:
-    """The first optimizer step's peak on the GPU, weighed once: over the budget, the next plan."""
+    """The first optimizer step's peak, weighed once: over the budget, the next plan."""
     if planned.stepped:  # (not removed here: torch is iterating over its hooks)
         return
     planned.stepped = True
-    if CURRENT.planned is planned:
+    if CURRENT.planned is not planned:
+        return
+    if device.startswith("cuda"):
         error = first_step_exceeds(planned, torch.cuda.max_memory_allocated(device))
-        if error is not None:
-            raise error
+    else:
+        now, since = resident.peak(), planned.resident_from
+        if now is None or since is None:
+            return
+        peak = now - since + planned.held
+        error = first_step_exceeds(planned, peak, where=_RESIDENT, allowance=budget_.CPU_RUNTIME)
+    if error is not None:
+        raise error
 
 
-def first_step_exceeds(planned: Planned, peak: int) -> MemoryPlanError | None:
-    """The error a first step whose device peak (``peak`` bytes, activations included) is over the
-    budget raises (it names the next plan), or None where the step fitted."""
-    if peak <= planned.budget:
+#: Where a CPU's first step held its peak (``first_step_exceeds``).
+_RESIDENT = "of the process's memory (its resident peak from the model's wrapping on, with the state)"
+
+
+def first_step_exceeds(
+    planned: Planned,
+    peak: int,
+    where: str = "on the device (torch.cuda.max_memory_allocated)",
+    allowance: int = 0,
+) -> MemoryPlanError | None:
+    """The error a first step whose peak (``peak`` bytes, activations included) is over the budget
+    by more than ``allowance`` raises (it names the next plan), or None where the step fitted."""
+    if peak <= planned.budget + allowance:
         return None
-    return _out_of_memory(
-        planned, f"its first step held {format_bytes(peak)} on the device (torch.cuda.max_memory_allocated)"
-    )
+    return _out_of_memory(planned, f"its first step held {format_bytes(peak)} {where}")
 
 
 def _first_line(error: BaseException) -> str:

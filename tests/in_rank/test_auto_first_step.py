@@ -1,0 +1,120 @@
+"""strategy="auto" weighs the first optimizer step, activations included, against the budget: a
+step over it restarts every rank once with the next plan (on the CPU too, by the resident peak).
+
+Real 2-process gloo runs on CPU with real memory (no out-of-memory error is raised by hand), and
+the reading of ``/proc`` checked on files of our own.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autoddp
+from autoddp.core.memory import budget, resident
+from conftest import needs_fsdp, run_python, write
+
+MiB = 2**20
+
+#: Sixteen blocks of 2048 x 2048 (256 MiB of parameters), each keeping three activations of its
+#: own (``tanh(h) * sigmoid(h)``), trained with plain SGD on one batch an epoch. Measured on torch
+#: 2.13, per process with 768 rows: the first step holds about 1.15 GiB under DDP (512 MiB of
+#: state), 500 MiB under FSDP (288 MiB) and 355 MiB with the blocks checkpointed.
+SCRIPT = """
+    import sys, torch
+    from torch import nn
+
+
+    class Block(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.linear = nn.Linear(width, width)
+
+        def forward(self, x):
+            h = self.linear(x)
+            return torch.tanh(h) * torch.sigmoid(h)
+
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block(2048) for _ in range(16)], nn.Linear(2048, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rows = torch.Generator().manual_seed(5)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(1536, 2048, generator=rows), torch.randn(1536, 1, generator=rows)
+    )
+    loader = torch.utils.data.DataLoader(data, batch_size=int(sys.argv[1]), shuffle=True)
+    for epoch in range(2):
+        for inputs, targets in loader:
+            opt.zero_grad()
+            nn.functional.mse_loss(model(inputs), targets).backward()
+            opt.step()
+    torch.save(model.state_dict(), sys.argv[2])
+"""
+
+
+@needs_fsdp
+@pytest.mark.timeout(300)
+def test_a_first_step_over_the_budget_on_the_cpu_restarts_every_rank_with_the_next_plan(tmp_path):
+    script = write(tmp_path / "train.py", SCRIPT)
+    one = run_python([str(script), "1536", str(tmp_path / "one.pt")], timeout=120)
+    assert one.returncode == 0, one.stderr
+    single = torch.load(tmp_path / "one.pt")
+    # 700 MiB: DDP's state fits, its first step does not, FSDP's does. 400 MiB: DDP's state does
+    # not fit, FSDP's does, its first step does not, the checkpointed blocks' does.
+    for memory, taken, restarted in (
+        ("700MiB", "ddp", "fsdp"),
+        ("400MiB", "fsdp", "fsdp with activation checkpointing"),
+    ):
+        out = tmp_path / f"{taken}.pt"
+        two = run_python(
+            ["-m", "autoddp.cli", "-n", "2", "--device-memory", memory, str(script), "768", str(out)],
+            timeout=240,
+        )
+        assert two.returncode == 0, two.stderr
+        said = " ".join(two.stderr.split())
+        assert said.count(f"restarting all 2 workers once with {restarted}") == 1, said
+        assert f"ran out of memory under the plan strategy='auto' took ({taken};" in said
+        assert "its first step held" in said and "of the process's memory (its resident peak" in said
+        assert f"auto (restarted at {restarted}: the last run ran out of memory)" in said
+        got = torch.load(out)
+        for name in single:
+            torch.testing.assert_close(got[name], single[name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+@needs_fsdp
+def test_a_first_step_within_the_budget_restarts_nothing_and_a_budget_no_plan_fits_is_not_weighed_again(
+    tmp_path,
+):
+    script = write(tmp_path / "train.py", SCRIPT.replace("2048", "256").replace("1536", "64"))
+    for memory, plan in (("64MiB", "DDP"), ("1KiB", "FSDP")):  # (1 KiB: no plan fits, warned once)
+        command = ["-m", "autoddp.cli", "-n", "2", "--device-memory", memory, str(script), "32"]
+        two = run_python([*command, str(tmp_path / "t.pt")], timeout=120)
+        assert two.returncode == 0, two.stderr
+        assert f"{plan} across 2 processes" in two.stderr
+        assert "restarting" not in two.stderr and "MemoryPlanError" not in two.stderr, two.stderr
+
+
+@pytest.mark.unit
+def test_the_resident_set_and_its_peak_are_read_and_the_peak_reset(tmp_path):
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmHWM:\t  204800 kB\nVmRSS:\t  102400 kB\n")
+    assert resident.peak(str(status)) == 200 * MiB and resident.resident(str(status)) == 100 * MiB
+    assert resident.peak(str(tmp_path / "absent")) is None  # (no Linux: nothing to weigh)
+    assert not resident.reset_peak(str(tmp_path / "no" / "clear_refs"))
+    refs = tmp_path / "clear_refs"
+    assert resident.reset_peak(str(refs)) and refs.read_text() == "5"  # (Linux: "5" resets VmHWM)
+    assert resident.peak() is not None and resident.resident() <= resident.peak()  # this process's
+
+
+@pytest.mark.unit
+def test_a_cpu_first_step_is_over_only_beyond_the_runtimes_own_growth(monkeypatch):
+    from autoddp.core.state import Planned
+    from autoddp.in_rank.models import _plan
+
+    monkeypatch.delenv("AUTODDP_PLAN_FLOOR", raising=False)
+    planned = Planned(budget=100 * MiB, placed=60 * MiB, ladder=("ddp", "fsdp"), taken=["ddp"])
+    within = 100 * MiB + budget.CPU_RUNTIME
+    assert _plan.first_step_exceeds(planned, within, allowance=budget.CPU_RUNTIME) is None
+    error = _plan.first_step_exceeds(planned, within + 1, where="in RAM", allowance=budget.CPU_RUNTIME)
+    assert isinstance(error, autoddp.MemoryPlanError) and error.next_plan == "fsdp"
+    assert "its first step held 132.0 MiB in RAM; the next plan is fsdp" in str(error)
