@@ -326,7 +326,7 @@ def test_memory_estimate_measures_each_case_in_a_fresh_process_and_prints_the_ta
         ],
         capture_output=True,
         text=True,
-        timeout=100,
+        timeout=150,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
@@ -338,4 +338,7 @@ def test_memory_estimate_measures_each_case_in_a_fresh_process_and_prints_the_ta
         c["measured"] > 0 and c["ratio"] == round(c["estimate"] / c["measured"], 3) for c in figures["cases"]
     )
     assert all(c["measured_returned"] > 0 and c["ratio_returned"] > 0 for c in figures["cases"])
+    # torch's allocator counts the tensors the estimate tracks: an MLP's peak is the estimate's
+    assert all(0.85 <= c["ratio_allocator"] <= 1.15 for c in figures["cases"]), figures["cases"]
+    assert figures["within_15_percent_allocator"] == 2
     assert lines[0].startswith("| model | optimizer |") and any("within ±15%" in line for line in lines)
