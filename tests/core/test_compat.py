@@ -757,6 +757,18 @@ def test_the_parameters_ddp_says_got_no_gradient_are_read_from_its_message(tmp_p
     assert ddp_errors.unused_parameters(RuntimeError("another error"), torch.nn.Linear(1, 1)) is None
 
 
+def test_the_cpu_allocator_running_out_of_memory_is_read_from_its_message():
+    """``memory_errors.cpu_out_of_memory``: torch's CPU allocator refusing an allocation (a
+    petabyte here: no machine overcommits that) raises what ``strategy="auto"`` restarts on."""
+    from autoddp.core._compat import memory_errors
+
+    with pytest.raises(RuntimeError) as refused:
+        torch.empty(2**50, dtype=torch.uint8)
+    assert memory_errors.cpu_out_of_memory(refused.value), str(refused.value)
+    assert not memory_errors.cpu_out_of_memory(RuntimeError("another error"))
+    assert not memory_errors.cpu_out_of_memory(ValueError("DefaultCPUAllocator: not enough memory"))
+
+
 def test_private_names_are_reached_from_compat_only_and_listed_there():
     """The inventory in ``_compat.names`` is the code's: every private torch (or CPython) name is
     used in ``autoddp/core/_compat`` only, each one used there is listed, and each listed is used."""

@@ -94,6 +94,42 @@ def test_a_first_step_within_the_budget_restarts_nothing_and_a_budget_no_plan_fi
         assert "restarting" not in two.stderr and "MemoryPlanError" not in two.stderr, two.stderr
 
 
+#: A small script whose rank 1 asks torch's CPU allocator for a petabyte where the model is not
+#: sharded (as a replicated model's step would ask for more than the machine has): a real refusal.
+REFUSED = """
+    import os, sys, torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(3))
+    for _ in range(3):
+        if os.environ.get("RANK") == "1" and not hasattr(model, "reshard"):  # (FSDP2's modules have it)
+            torch.empty(2**50, dtype=torch.uint8)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    torch.save(model.state_dict(), sys.argv[1])
+"""
+
+
+@needs_fsdp
+def test_the_cpu_allocator_refusing_on_one_rank_restarts_every_rank_with_the_next_plan(tmp_path):
+    script = write(tmp_path / "train.py", REFUSED)
+    one = run_python([str(script), str(tmp_path / "one.pt")])
+    assert one.returncode == 0, one.stderr
+    two = run_python(["-m", "autoddp.cli", "-n", "2", str(script), str(tmp_path / "two.pt")], timeout=180)
+    assert two.returncode == 0, two.stderr
+    said = " ".join(two.stderr.split())
+    assert said.count("restarting all 2 workers once with fsdp") == 1, said
+    assert "[rank 1 of 2] ran out of memory under the plan strategy='auto' took (ddp;" in said
+    assert "DefaultCPUAllocator" in said and "FSDP across 2 processes" in said
+    single, got = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    for name in single:  # (every rank trains on the whole batch: the same weights as one process)
+        torch.testing.assert_close(got[name], single[name], atol=1e-4, rtol=1e-4, msg=name)
+
+
 @pytest.mark.unit
 def test_the_resident_set_and_its_peak_are_read_and_the_peak_reset(tmp_path):
     status = tmp_path / "status"

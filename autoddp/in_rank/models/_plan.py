@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from autoddp.core import _compat, _variables, _warn
+from autoddp.core._compat.memory_errors import cpu_out_of_memory
 from autoddp.core.errors import MemoryPlanError
 from autoddp.core.memory import budget as budget_
 from autoddp.core.memory import estimate, resident
@@ -141,12 +142,15 @@ def _name(module: torch.nn.Module) -> str:
 def recovering() -> Iterator[None]:
     """Around the user's code in a world: an out-of-memory error under a plan ``strategy="auto"``
     took becomes a ``MemoryPlanError`` naming the next plan, which the launcher restarts every
-    rank with, once (none after a restart for memory, or past the last plan: the numbers only)."""
+    rank with, once (none after a restart for memory, or past the last plan: the numbers only):
+    torch's ``OutOfMemoryError`` on a GPU, its CPU allocator's refusal on the CPU
+    (``_compat.memory_errors``)."""
     try:
         yield
-    except torch.cuda.OutOfMemoryError as error:
+    except RuntimeError as error:  # (torch.cuda.OutOfMemoryError is one)
         planned = CURRENT.planned
-        if planned is None or not planned.taken:
+        memory = isinstance(error, torch.cuda.OutOfMemoryError) or cpu_out_of_memory(error)
+        if not memory or planned is None or not planned.taken:
             raise
         raise _out_of_memory(planned, _first_line(error)) from error
 
