@@ -76,12 +76,17 @@ class Planned:
     #: The hook that weighs the first optimizer step's peak on a GPU (``models._plan``; None: none;
     #: removed when the world ends).
     watch: Any = None
-    #: Whether that first step was weighed.
+    #: Whether a first step was weighed (the peak is not reset after it), and the optimizers whose
+    #: first step was (by id: each one's first step is weighed).
     stepped: bool = False
+    weighed: set[int] = dataclasses.field(default_factory=set)
+    #: On the CPU, the global forward pre-hook that resets the resident peak at the first forward
+    #: with gradients (``models._first_step``; removed at the first step, or with the world).
+    forward_watch: Any = None
     #: Whether a plan was taken that does not fit (none did): the first step is not weighed then.
     overcommitted: bool = False
-    #: On the CPU: the resident bytes when the peak was last reset (at a wrap), and the bytes of the
-    #: wrapped models' state resident then (the first step's peak is weighed from both).
+    #: On the CPU: the resident bytes when the peak was reset (at the first forward), and the bytes
+    #: of the wrapped models' state resident then (the first steps' peak is weighed from both).
     resident_from: int | None = None
     held: int = 0
     #: Why each model got its plan, for the notice (weakly: a model may go).
@@ -193,8 +198,9 @@ class _InWorld:
     def __exit__(self, *exc_info: object) -> None:
         run = self._run
         assert self._previous is not None
-        if run.planned is not None and run.planned.watch is not None:  # (its optimizer-step hook)
-            run.planned.watch.remove()
+        for hook in (run.planned.watch, run.planned.forward_watch) if run.planned is not None else ():
+            if hook is not None:  # (its optimizer-step hook, and the first forward's)
+                hook.remove()
         run.world, run.options, run.timeout, run.planned = self._previous
         run._wrapped.pop()
 

@@ -73,9 +73,10 @@ def test_a_first_step_over_the_budget_on_the_cpu_restarts_every_rank_with_the_ne
         assert two.returncode == 0, two.stderr
         said = " ".join(two.stderr.split())
         assert said.count(f"restarting all 2 workers once with {restarted}") == 1, said
-        assert f"ran out of memory under the plan strategy='auto' took ({taken};" in said
+        assert f"went over its memory budget under the plan strategy='auto' took ({taken};" in said
+        assert "ran out of memory" not in said  # (a script skipping a batch on that must not swallow it)
         assert "its first step held" in said and "of the process's memory (its resident peak" in said
-        assert f"auto (restarted at {restarted}: the last run ran out of memory)" in said
+        assert f"auto (restarted at {restarted}: the last run needed more memory)" in said
         got = torch.load(out)
         for name in single:
             torch.testing.assert_close(got[name], single[name], atol=1e-4, rtol=1e-4, msg=name)
@@ -85,8 +86,14 @@ def test_a_first_step_over_the_budget_on_the_cpu_restarts_every_rank_with_the_ne
 def test_a_first_step_within_the_budget_restarts_nothing_and_a_budget_no_plan_fits_is_not_weighed_again(
     tmp_path,
 ):
-    script = write(tmp_path / "train.py", SCRIPT.replace("2048", "256").replace("1536", "64"))
-    for memory, plan in (("64MiB", "DDP"), ("1KiB", "FSDP")):  # (1 KiB: no plan fits, warned once)
+    small = SCRIPT.replace("2048", "256").replace("1536", "64")
+    # memory the script holds from before its first forward (a dataset made after the optimizer,
+    # 300 MiB here) is not the step's: no plan would shrink it
+    held = "    dataset = torch.ones(300 * 2**20, dtype=torch.uint8)\n    rows = "
+    dataset = small.replace("    rows = ", held)
+    runs = ((small, "64MiB", "DDP"), (small, "1KiB", "FSDP"), (dataset, "200MiB", "DDP"))
+    for source, memory, plan in runs:
+        script = write(tmp_path / "train.py", source)
         command = ["-m", "autoddp.cli", "-n", "2", "--device-memory", memory, str(script), "32"]
         two = run_python([*command, str(tmp_path / "t.pt")], timeout=120)
         assert two.returncode == 0, two.stderr
@@ -145,12 +152,20 @@ def test_the_resident_set_and_its_peak_are_read_and_the_peak_reset(tmp_path):
 @pytest.mark.unit
 def test_a_cpu_first_step_is_over_only_beyond_the_runtimes_own_growth(monkeypatch):
     from autoddp.core.state import Planned
-    from autoddp.in_rank.models import _plan
+    from autoddp.in_rank.models import _first_step
 
     monkeypatch.delenv("AUTODDP_PLAN_FLOOR", raising=False)
     planned = Planned(budget=100 * MiB, placed=60 * MiB, ladder=("ddp", "fsdp"), taken=["ddp"])
     within = 100 * MiB + budget.CPU_RUNTIME
-    assert _plan.first_step_exceeds(planned, within, allowance=budget.CPU_RUNTIME) is None
-    error = _plan.first_step_exceeds(planned, within + 1, where="in RAM", allowance=budget.CPU_RUNTIME)
+    assert _first_step.first_step_exceeds(planned, within, allowance=budget.CPU_RUNTIME) is None
+    error = _first_step.first_step_exceeds(planned, within + 1, where="in RAM", allowance=budget.CPU_RUNTIME)
     assert isinstance(error, autoddp.MemoryPlanError) and error.next_plan == "fsdp"
     assert "its first step held 132.0 MiB in RAM; the next plan is fsdp" in str(error)
+    assert "went over its memory budget under the plan" in str(error) and "out of memory" not in str(error)
+    # restarted at FSDP on the CPU (no offload there): the fix names the checkpointed blocks
+    cpu = ("ddp", "fsdp", "fsdp with activation checkpointing")
+    planned = Planned(budget=100 * MiB, placed=60 * MiB, ladder=cpu, taken=["fsdp"])
+    monkeypatch.setenv("AUTODDP_PLAN_FLOOR", "fsdp")
+    error = _first_step.first_step_exceeds(planned, 200 * MiB)
+    assert error.next_plan is None and "cpu_offload" not in str(error)
+    assert "force the plan that shards most here (strategy='fsdp' with torch.utils.checkpoint" in str(error)

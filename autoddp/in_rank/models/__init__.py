@@ -21,7 +21,7 @@ from autoddp.core.errors import ConfigurationError
 from autoddp.core.memory.optimizers import groups_of
 from autoddp.core.memory.sizes import parse_bytes
 from autoddp.core.state import CURRENT, RunOptions, World
-from autoddp.in_rank.models import _plan, _rebind, ddp, fsdp
+from autoddp.in_rank.models import _first_step, _plan, _rebind, ddp, fsdp
 from autoddp.in_rank.models._at_call import DRAWN_APART
 from autoddp.in_rank.models._averaging import average_before_read, guard_optimizer
 from autoddp.in_rank.models._fsdp_state import (
@@ -161,15 +161,15 @@ def wrap(
     wrapped = _named(options.strategy).wrap(module, world, options, move=move)
     _rebind.rebind_optimizers(_rebind.remember(wrapped, before), optimizers)
     del before  # (the parameters sharding replaced: no step's memory)
-    _plan.measured_from_here(world)
+    _first_step.measured_from_here(world)
     return wrapped
 
 
 def measured_from_here() -> None:
     """Once an optimizer is made over wrapped models (the parameters sharding replaced let go of):
-    the first step's peak counts from here (``_plan.measured_from_here``)."""
+    the first step's peak counts from here (``_first_step.measured_from_here``)."""
     if CURRENT.world is not None:
-        _plan.measured_from_here(CURRENT.world)
+        _first_step.measured_from_here(CURRENT.world)
 
 
 def rebind_optimizers(optimizers: Iterable[torch.optim.Optimizer], models: Iterable[torch.nn.Module]) -> None:

@@ -12,13 +12,10 @@ least budget and the largest needs of any rank, so no rank can take another plan
 not known yet at that point (no batch has been seen): the plan fits the state, and the notice
 says so.
 
-The first optimizer step's peak, counted from the wrap (``measured_from_here``), is weighed
-against the budget too (``first_step_exceeds``): on a GPU torch's allocator counts it
-(``torch.cuda.max_memory_allocated``); on the CPU the process's resident peak from the wrap on
-(``core.memory.resident``), less what was resident then, plus the state then held (the
-parameters, buffers and DDP's gradient buckets). Over it, or out of memory under a plan
-taken here (torch's ``OutOfMemoryError`` reaching the end of the user's code, ``recovering``),
-the rank raises ``MemoryPlanError`` naming the next plan; autoddp's launcher on one machine starts
+The first steps' peak is weighed against the budget too (``_first_step``). Over it,
+or out of memory under a plan taken here (torch's ``OutOfMemoryError`` or its CPU allocator's
+refusal reaching the end of the user's code, ``recovering``), the rank raises ``MemoryPlanError``
+naming the next plan; autoddp's launcher on one machine starts
 every rank again once, with ``AUTODDP_PLAN_FLOOR`` set to it, and this module then starts the
 ladder there.
 
@@ -32,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -43,7 +39,7 @@ from autoddp.core import _compat, _variables, _warn
 from autoddp.core._compat.memory_errors import cpu_out_of_memory
 from autoddp.core.errors import MemoryPlanError
 from autoddp.core.memory import budget as budget_
-from autoddp.core.memory import estimate, resident
+from autoddp.core.memory import estimate
 from autoddp.core.memory.optimizers import Group
 from autoddp.core.memory.sizes import format_bytes
 from autoddp.core.state import CURRENT, Planned, RunOptions, World
@@ -89,7 +85,7 @@ def resolve(
     planned.placed += needs[choice.name]
     planned.sharded = planned.sharded or choice.strategy == "fsdp"
     planned.taken.append(choice.name)
-    restarted = f" (restarted at {floor}: the last run ran out of memory)" if floor in allowed else ""
+    restarted = f" (restarted at {floor}: the last run needed more memory)" if floor in allowed else ""
     _keep_note(planned, module, f"auto{restarted}: {choice.describe()}{notes}")
     if not choice.fits:
         planned.overcommitted = True  # (no first-step check: no plan would fit; the warning says so)
@@ -152,81 +148,7 @@ def recovering() -> Iterator[None]:
         memory = isinstance(error, torch.cuda.OutOfMemoryError) or cpu_out_of_memory(error)
         if not memory or planned is None or not planned.taken:
             raise
-        raise _out_of_memory(planned, _first_line(error)) from error
-
-
-def measured_from_here(world: World) -> None:
-    """After a model was wrapped under a plan "auto" took (and again once its optimizer is made,
-    which lets go of the parameters sharding replaced): the peak counts from here (the whole model
-    the script built or moved before it was sharded is no step's), and the first optimizer step's
-    peak is weighed against the budget (``first_step_exceeds``). On the CPU, where the resident
-    peak cannot be reset (no Linux), nothing is weighed."""
-    planned = CURRENT.planned
-    if planned is None or not planned.taken or planned.stepped or planned.overcommitted:
-        return
-    if world.device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats(world.device)
-    else:
-        if not resident.reset_peak():
-            return
-        planned.resident_from = resident.resident()
-        planned.held = sum(_held(model) for model in CURRENT.wrapped_models())
-    if planned.watch is None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        check = functools.partial(_after_first_step, planned, world.device)
-        planned.watch = register_optimizer_step_post_hook(check)  # (removed with the world)
-
-
-def _held(module: torch.nn.Module) -> int:
-    """The bytes of ``module``'s state this process holds now: its parameters and buffers (its own
-    shards, where sharded) and DDP's gradient buckets (made with the DDP, before any backward)."""
-    from autoddp.in_rank.models import ddp
-
-    def local(tensor: torch.Tensor) -> int:
-        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # (a DTensor's shard)
-        return tensor.numel() * tensor.element_size()
-
-    held = sum(local(t) for t in (*module.parameters(), *module.buffers()))
-    if ddp.ddp_of(module) is not None:
-        held += sum(local(p) for p in module.parameters() if p.requires_grad)
-    return held
-
-
-def _after_first_step(planned: Planned, device: str, *_: Any) -> None:
-    """The first optimizer step's peak, weighed once: over the budget, the next plan."""
-    if planned.stepped:  # (not removed here: torch is iterating over its hooks)
-        return
-    planned.stepped = True
-    if CURRENT.planned is not planned:
-        return
-    if device.startswith("cuda"):
-        error = first_step_exceeds(planned, torch.cuda.max_memory_allocated(device))
-    else:
-        now, since = resident.peak(), planned.resident_from
-        if now is None or since is None:
-            return
-        peak = now - since + planned.held
-        error = first_step_exceeds(planned, peak, where=_RESIDENT, allowance=budget_.CPU_RUNTIME)
-    if error is not None:
-        raise error
-
-
-#: Where a CPU's first step held its peak (``first_step_exceeds``).
-_RESIDENT = "of the process's memory (its resident peak from the model's wrapping on, with the state)"
-
-
-def first_step_exceeds(
-    planned: Planned,
-    peak: int,
-    where: str = "on the device (torch.cuda.max_memory_allocated)",
-    allowance: int = 0,
-) -> MemoryPlanError | None:
-    """The error a first step whose peak (``peak`` bytes, activations included) is over the budget
-    by more than ``allowance`` raises (it names the next plan), or None where the step fitted."""
-    if peak <= planned.budget + allowance:
-        return None
-    return _out_of_memory(planned, f"its first step held {format_bytes(peak)} {where}")
+        raise out_of_memory(planned, _first_line(error)) from error
 
 
 def _first_line(error: BaseException) -> str:
@@ -234,34 +156,42 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def _out_of_memory(planned: Planned, what: str) -> MemoryPlanError:
+def out_of_memory(planned: Planned, what: str, happened: str = "ran out of memory") -> MemoryPlanError:
+    """The ``MemoryPlanError`` of a process that ``happened`` (ran out of memory, or went over its
+    budget: ``_first_step``) under the plans taken, naming the next plan or, past the last, the fix."""
     highest = max(planned.ladder.index(name) for name in planned.taken)
     restarted = os.environ.get(_variables.PLAN_FLOOR) in planned.ladder
     following = planned.ladder[highest + 1 :]
     next_plan = following[0] if following and not restarted else None
     plan = planned.ladder[highest]
     said = (
-        f"ran out of memory under the plan strategy='auto' took ({plan}; "
+        f"{happened} under the plan strategy='auto' took ({plan}; "
         f"{format_bytes(planned.placed)} of state per process, {format_bytes(planned.budget)} "
         f"allowed): {what}"
     )
     if next_plan is not None:
-        rung = budget_.rung(next_plan)
-        forced = f"strategy={rung.strategy!r}" + (", cpu_offload=True" if rung.cpu_offload else "")
-        if rung.checkpoint_blocks and not rung.cpu_offload:  # (no option: checkpointing by hand)
-            forced = "strategy='fsdp' with torch.utils.checkpoint in the blocks' forward"
         return MemoryPlanError(
-            f"{said}; the next plan is {next_plan} ({forced} takes it)", plan=plan, next_plan=next_plan
+            f"{said}; the next plan is {next_plan} ({_forcing(next_plan)} takes it)",
+            plan=plan,
+            next_plan=next_plan,
         )
     why = "after a restart for memory already" if restarted else "and no larger plan is left here"
     fix = "start more processes or train on smaller batches"
     if planned.ladder[-1] != plan:  # (restarted at a plan short of the last: force the last)
-        fix += ", or force the plan that shards most (strategy='fsdp', cpu_offload=True)"
+        fix += f", or force the plan that shards most here ({_forcing(planned.ladder[-1])})"
     return MemoryPlanError(
         f"{said}, {why}: {fix}",
         plan=plan,
         next_plan=None,
     )
+
+
+def _forcing(name: str) -> str:
+    """How the user forces the plan called ``name`` (checkpointing alone has no option)."""
+    rung = budget_.rung(name)
+    if rung.checkpoint_blocks and not rung.cpu_offload:
+        return "strategy='fsdp' with torch.utils.checkpoint in the blocks' forward"
+    return f"strategy={rung.strategy!r}" + (", cpu_offload=True" if rung.cpu_offload else "")
 
 
 def note(module: torch.nn.Module) -> str:
