@@ -80,12 +80,9 @@ class Planned:
     #: first step was (by id: each one's first step is weighed).
     stepped: bool = False
     weighed: set[int] = dataclasses.field(default_factory=set)
-    #: On the CPU, the global forward pre-hook that resets the resident peak at the first forward
-    #: with gradients (``models._first_step``; removed at the first step, or with the world).
-    forward_watch: Any = None
     #: Whether a plan was taken that does not fit (none did): the first step is not weighed then.
     overcommitted: bool = False
-    #: On the CPU: the resident bytes when the peak was reset (at the first forward), and the bytes
+    #: On the CPU: the resident bytes when the peak was last reset (the optimizer made), and the bytes
     #: of the wrapped models' state resident then (the first steps' peak is weighed from both).
     resident_from: int | None = None
     held: int = 0
@@ -198,9 +195,8 @@ class _InWorld:
     def __exit__(self, *exc_info: object) -> None:
         run = self._run
         assert self._previous is not None
-        for hook in (run.planned.watch, run.planned.forward_watch) if run.planned is not None else ():
-            if hook is not None:  # (its optimizer-step hook, and the first forward's)
-                hook.remove()
+        if run.planned is not None and run.planned.watch is not None:  # (its optimizer-step hook)
+            run.planned.watch.remove()
         run.world, run.options, run.timeout, run.planned = self._previous
         run._wrapped.pop()
 

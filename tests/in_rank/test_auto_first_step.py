@@ -87,18 +87,30 @@ def test_a_first_step_within_the_budget_restarts_nothing_and_a_budget_no_plan_fi
     tmp_path,
 ):
     small = SCRIPT.replace("2048", "256").replace("1536", "64")
-    # memory the script holds from before its first forward (a dataset made after the optimizer,
-    # 300 MiB here) is not the step's: no plan would shrink it
-    held = "    dataset = torch.ones(300 * 2**20, dtype=torch.uint8)\n    rows = "
-    dataset = small.replace("    rows = ", held)
-    runs = ((small, "64MiB", "DDP"), (small, "1KiB", "FSDP"), (dataset, "200MiB", "DDP"))
-    for source, memory, plan in runs:
-        script = write(tmp_path / "train.py", source)
+    for memory, plan in (("64MiB", "DDP"), ("1KiB", "FSDP")):
+        script = write(tmp_path / "train.py", small)
         command = ["-m", "autoddp.cli", "-n", "2", "--device-memory", memory, str(script), "32"]
         two = run_python([*command, str(tmp_path / "t.pt")], timeout=120)
         assert two.returncode == 0, two.stderr
         assert f"{plan} across 2 processes" in two.stderr
         assert "restarting" not in two.stderr and "MemoryPlanError" not in two.stderr, two.stderr
+
+
+@needs_fsdp
+def test_memory_no_plan_shrinks_costs_one_restart_then_a_warning_not_the_run(tmp_path):
+    """A dataset made after the optimizer (300 MiB) counts as the first step's: over the budget
+    under DDP and again under FSDP after the restart, where it is said and the run goes on."""
+    held = "    dataset = torch.ones(300 * 2**20, dtype=torch.uint8)\n    rows = "
+    script = write(
+        tmp_path / "train.py",
+        SCRIPT.replace("2048", "256").replace("1536", "64").replace("    rows = ", held),
+    )
+    command = ["-m", "autoddp.cli", "-n", "2", "--device-memory", "200MiB", str(script), "32"]
+    two = run_python([*command, str(tmp_path / "t.pt")], timeout=180)
+    assert two.returncode == 0, two.stderr
+    said = " ".join(two.stderr.split())
+    assert said.count("restarting all 2 workers once with fsdp") == 1, said
+    assert "after a restart for memory already" in said and "going on: a real out-of-memory error" in said
 
 
 #: A small script whose rank 1 asks torch's CPU allocator for a petabyte where the model is not
