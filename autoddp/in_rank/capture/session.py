@@ -51,6 +51,7 @@ from autoddp.in_rank.capture.passes import Passes
 from autoddp.in_rank.capture.saves import Saves
 from autoddp.in_rank.capture.shared_files import SharedFiles, install_hook
 from autoddp.in_rank.capture.steps import Steps
+from autoddp.in_rank.capture.too_large import TooLarge
 from autoddp.in_rank.capture.trackers import Trackers
 
 
@@ -89,6 +90,7 @@ class Session:
         self.children = Children(self)  # processes the user's code starts itself
         self.trackers = Trackers(self, known)  # wandb, TensorBoard, MLflow: one run, rank 0's
         self.devices = devices.Devices(known, lambda: self.notice)  # cuda:0 habits: the own GPU
+        self.too_large = TooLarge(self.devices, options, lambda: self.notice)  # .to("cuda"), sharded later
         if world is not None:
             self.world()
 
@@ -99,6 +101,7 @@ class Session:
             install_hook()
             self.registry.install()
             self.devices.install()
+            self.too_large.install()
             for family in self._families():
                 family.install()
             if self._join is not None:  # a script: the user may make the group themselves
@@ -135,6 +138,7 @@ class Session:
         self.steps.remove_step_hook()
         self.registry.uninstall()
         self.devices.uninstall()
+        self.too_large.uninstall()
         if CURRENT.capture is self:
             CURRENT.capture = None
 

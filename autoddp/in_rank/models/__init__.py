@@ -21,7 +21,7 @@ from autoddp.core.errors import ConfigurationError
 from autoddp.core.memory.optimizers import groups_of
 from autoddp.core.memory.sizes import parse_bytes
 from autoddp.core.state import CURRENT, RunOptions, World
-from autoddp.in_rank.models import _first_step, _plan, _rebind, ddp, fsdp
+from autoddp.in_rank.models import _first_step, _placed_later, _plan, _rebind, ddp, fsdp
 from autoddp.in_rank.models._at_call import DRAWN_APART
 from autoddp.in_rank.models._averaging import average_before_read, guard_optimizer
 from autoddp.in_rank.models._fsdp_state import (
@@ -57,6 +57,11 @@ __all__ = [
     "sharding",
     "ddp_in_charge",
     "ddp_being_built",
+    # a model too large for one GPU, waiting in host memory to be sharded: ``_placed_later``
+    "can_shard",
+    "device_left",
+    "defer_placement",
+    "placement_pending",
     # the optimizers' side: ``_averaging``, ``_fsdp_state``
     "guard_optimizer",
     "average_before_read",
@@ -157,12 +162,22 @@ def wrap(
     if training is None and optimizers:
         training = groups_of(optimizers[0], [])
     options = _plan.resolve(module, world, options, training)
+    inner = unwrap(module)
+    trainable = any(p.requires_grad for p in inner.parameters())
+    _placed_later.settle(inner, sharded=options.strategy == fsdp.NAME and world.world_size > 1 and trainable)
     before = list(module.named_parameters())
     wrapped = _named(options.strategy).wrap(module, world, options, move=move)
     _rebind.rebind_optimizers(_rebind.remember(wrapped, before), optimizers)
     del before  # (the parameters sharding replaced: no step's memory)
     _first_step.measured_from_here(world)
     return wrapped
+
+
+#: Where a model too large for one GPU waits (``_placed_later``, ``capture.too_large``).
+defer_placement = _placed_later.defer
+placement_pending = _placed_later.pending
+device_left = _plan.left_on
+can_shard = _plan.can_shard
 
 
 def measured_from_here() -> None:

@@ -248,6 +248,28 @@ def _shared_across_units(module: torch.nn.Module, units: Sequence[torch.nn.Modul
     return any(len(owners) > 1 for owners in groups.values())
 
 
+def left_on(world: World, options: RunOptions, device: torch.device) -> int | None:
+    """The bytes this process may still use on its GPU ``device``, before any agreement: what the
+    plans so far left of the budget, else ``device_memory``, else the GPU's default budget where
+    the run computes on GPUs (None where it computes on the CPU beside them: no GPU budget)."""
+    planned = CURRENT.planned
+    if planned is not None and planned.budget is not None:
+        return max(planned.budget - planned.placed, 0)
+    if options.device_memory is not None:
+        return options.device_memory
+    if not world.device.startswith("cuda"):
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return budget_.gpu_default(free, torch.cuda.memory_reserved(device), total)
+
+
+def can_shard(world: World) -> bool:
+    """True where this torch has FSDP2 for the world's device."""
+    from autoddp.in_rank.models import fsdp
+
+    return _fsdp_here(fsdp, world)
+
+
 def _fsdp_here(fsdp: Any, world: World) -> bool:
     try:
         fsdp.fsdp_api(torch.device(world.device).type)
