@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import GLOO_TIMEOUT, run_python, write
 
 TORCHRUN_STYLE = """
@@ -222,3 +224,40 @@ def test_timeout_bounds_a_plain_scripts_collectives(tmp_path):
     assert "rank(s) 1 had not arrived" in proc.stderr and "autoddp --timeout" in proc.stderr
     bad = autoddp_cli("--timeout", "0", str(script), cwd=tmp_path)
     assert bad.returncode == 2 and "--timeout" in bad.stderr
+
+
+LINES = 5000
+
+#: Each rank prints LINES lines with print()'s pieces ("LINE", rank, i, and the newline).
+MANY_LINES = """
+    import os
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    dist.barrier()
+    for i in range(LINES):
+        print("LINE", rank, i)
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ranks", ["all", "0,1"])
+def test_no_line_of_one_rank_is_joined_to_another_under_pythonunbuffered(tmp_path, ranks):
+    # PYTHONUNBUFFERED=1 (containers set it) writes a print()'s pieces one by one; the ranks share
+    # the console (and "all" prefixes lines read from each rank's file): each line stays whole
+    script = write(tmp_path / "many.py", MANY_LINES.replace("LINES", str(LINES)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "autoddp.cli", "-n", "2", "--ranks", ranks, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    prefix = "[rank {}] " if ranks == "all" else ""
+    lines = [line for line in proc.stdout.splitlines() if "LINE" in line]
+    expected = {prefix.format(rank) + f"LINE {rank} {i}" for rank in (0, 1) for i in range(LINES)}
+    assert set(lines) == expected and len(lines) == 2 * LINES, sorted(set(lines) ^ expected)[:5]

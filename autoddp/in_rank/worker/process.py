@@ -11,6 +11,7 @@ import ctypes
 import faulthandler
 import functools
 import gc
+import io
 import multiprocessing
 import os
 import signal
@@ -71,6 +72,7 @@ def _execute(job: Job, folder: str) -> int:
     start_method_of_caller(job.start_method)
     world = environment.detect().world()
     give_stdin(world.rank)
+    whole_lines()
     STACK_DUMP.arm(folder, world.rank)
     try:
         if job.backend.use_cuda and forks.cuda_in_bad_fork():
@@ -162,6 +164,17 @@ def give_stdin(rank: int) -> None:
     encoding = getattr(sys.__stdin__, "encoding", None)
     errors = getattr(sys.__stdin__, "errors", None)
     sys.stdin = open(0, encoding=encoding, errors=errors, closefd=False)  # noqa: SIM115 (the process's own)
+
+
+def whole_lines() -> None:
+    """Each line of this rank's output in one write, where ``PYTHONUNBUFFERED=1`` (common in
+    containers) has ``print`` write its pieces one by one: ranks share the console, and the
+    ``[rank N]`` prefixing reads their files line by line, so a piece of one rank's line could be
+    joined to another's. Output still leaves at every newline and every explicit flush."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper) and stream.write_through:
+            with contextlib.suppress(Exception):  # (a stream that cannot be reconfigured: as it is)
+                stream.reconfigure(write_through=False, line_buffering=True)
 
 
 def _reads_descriptor_0(stream: Any) -> bool:

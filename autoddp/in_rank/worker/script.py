@@ -218,6 +218,7 @@ def main(leave_groups_at_exit: bool = True, kept: KeptGroups | None = None) -> N
     run_folder = os.environ.get(_variables.RUN_FOLDER)
     if run_folder:  # a worker of autoddp's launcher (srun, mpirun: their own stdin and stacks)
         process.give_stdin(int(os.environ.get("RANK", "0")))
+        process.whole_lines()
         # where this rank was if autoddp stops it (a peer timed out or died waiting for it)
         process.STACK_DUMP.arm(run_folder, int(os.environ.get("RANK", "0")))
     if kept is None:
