@@ -20,7 +20,7 @@ from conftest import needs_fsdp, write
 #: Nine linear layers of about 1 MiB each (8.0 MiB with their biases), trained with SGD on one
 #: batch of 128 rows, twice; a frozen teacher of the same size that only evaluates; each rank writes how
 #: many tensors went to a GPU at ``model.to("cuda")``, at the teacher's ``.cuda()`` and at its
-#: first forward.
+#: first forward (of its first layer).
 SCRIPT = """
     import json, os, sys, torch
     from torch import nn
@@ -42,6 +42,7 @@ SCRIPT = """
     teacher = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)]).requires_grad_(False)
     counted = moves()
     teacher.cuda()
+    teacher.to("cuda")  # (sent again: it waits still)
     at_teacher = moves() - counted
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     rows = torch.Generator().manual_seed(5)
@@ -53,7 +54,7 @@ SCRIPT = """
         inputs, targets = inputs.to("cuda"), targets.to("cuda")
         with torch.no_grad():
             counted = moves()
-            hint = teacher(inputs).mean()
+            hint = teacher[1:](teacher[0](inputs)).mean()  # (a module in it runs first)
             at_forward = moves() - counted if at_forward is None else at_forward
         opt.zero_grad()
         nn.functional.mse_loss(model(inputs) + 0 * hint, targets).backward()
@@ -95,7 +96,7 @@ def test_a_model_too_large_for_one_gpu_is_sharded_onto_the_gpus_never_moved_whol
     assert "waits in host memory" not in fits.stderr, fits.stderr
     for rank in range(4):
         facts = json.loads((tmp_path / f"fits.pt{rank}.json").read_text())
-        assert facts == {"model": 18, "teacher": 16, "teacher's forward": 0}, (rank, facts)
+        assert facts == {"model": 18, "teacher": 32, "teacher's forward": 0}, (rank, facts)  # (sent twice)
 
 
 @pytest.mark.unit

@@ -79,7 +79,10 @@ class TooLarge:
         target = _on_gpu(self._remap(target), self.own)
         if target is None or target.index != self.own:
             return False  # (another device: torch's own to, and Devices' rule on its tensors)
-        if models.placement_pending(module) is not None or _wrapped(module):
+        waiting = models.placement_pending(module)
+        if waiting is not None:
+            return waiting == target and dtype is None  # (sent there again: it waits still)
+        if _wrapped(module):
             return False
         size = _bytes_moved(module, target, dtype)
         if size == 0:

@@ -13,8 +13,9 @@ without autoddp, out-of-memory error included.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,18 +25,27 @@ _ATTR = "_autoddp_placed_later"
 
 @dataclass
 class _Later:
-    """Where ``module`` was sent (``target``), and the move as torch makes it (``move(module)``)."""
+    """Where ``module`` was sent (``target``), the move as torch makes it (``move(module)``), and
+    the forward pre-hooks that make it before a forward of the module or of any module in it."""
 
     target: torch.device
     move: Callable[[torch.nn.Module], Any]
-    handle: Any = None  # (the forward pre-hook's RemovableHandle)
+    handles: list[Any] = field(default_factory=list)
 
 
 def defer(module: torch.nn.Module, target: torch.device, move: Callable[[torch.nn.Module], Any]) -> None:
     """Leave ``module`` where it is, to be moved to ``target`` by ``move`` when it is wrapped or runs."""
     later = _Later(target, move)
     module.__dict__[_ATTR] = later
-    later.handle = module.register_forward_pre_hook(_moved_before_forward, prepend=True)
+    root = weakref.ref(module)
+
+    def moved_before_forward(sub: torch.nn.Module, args: Any) -> None:
+        whole = root()
+        if whole is not None:
+            settle(whole, sharded=False)
+
+    for sub in module.modules():
+        later.handles.append(sub.register_forward_pre_hook(moved_before_forward, prepend=True))
 
 
 def pending(module: torch.nn.Module) -> torch.device | None:
@@ -50,10 +60,7 @@ def settle(module: torch.nn.Module, sharded: bool) -> None:
     later = module.__dict__.pop(_ATTR, None)
     if later is None:
         return
-    later.handle.remove()
+    for handle in later.handles:
+        handle.remove()
     if not sharded:
         later.move(module)
-
-
-def _moved_before_forward(module: torch.nn.Module, args: Any) -> None:
-    settle(module, sharded=False)
