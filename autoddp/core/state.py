@@ -76,9 +76,8 @@ class Planned:
     #: The hook that weighs the first optimizer step's peak on a GPU (``models._plan``; None: none;
     #: removed when the world ends).
     watch: Any = None
-    #: Whether a first step was weighed (the peak is not reset after it), and the optimizers whose
-    #: first step was (by id: each one's first step is weighed).
-    stepped: bool = False
+    #: The optimizers whose first step was weighed (by id: each one's first step is weighed; once
+    #: one was, the peak is not reset again).
     weighed: set[int] = dataclasses.field(default_factory=set)
     #: Whether a plan was taken that does not fit (none did): the first step is not weighed then.
     overcommitted: bool = False

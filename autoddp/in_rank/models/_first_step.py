@@ -45,7 +45,7 @@ def measured_from_here(world: World) -> None:
     (the parameters sharding replaced let go of): the first steps' peak counts from here (on the
     CPU, where the resident peak cannot be reset, no Linux: nothing is weighed)."""
     planned = CURRENT.planned
-    if planned is None or not planned.taken or planned.stepped or planned.overcommitted:
+    if planned is None or not planned.taken or planned.weighed or planned.overcommitted:
         return
     if world.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(world.device)
@@ -83,7 +83,6 @@ def _after_step(planned: Planned, device: str, optimizer: Any, *_: Any) -> None:
     if id(optimizer) in planned.weighed or CURRENT.planned is not planned:
         return
     planned.weighed.add(id(optimizer))
-    planned.stepped = True
     if device.startswith("cuda"):
         error = first_step_exceeds(planned, torch.cuda.max_memory_allocated(device))
     else:
