@@ -30,7 +30,7 @@ from autoddp.core import _class_swap, _compat, _warn
 from autoddp.core.environment import hardware
 from autoddp.core.errors import ConfigurationError
 from autoddp.core.state import CURRENT, RunOptions, World
-from autoddp.in_rank.models import _reduction, _routing, _split, _window, statistics
+from autoddp.in_rank.models import _reduction, _routing, _split, _start, _window, statistics
 from autoddp.in_rank.world import placement
 
 #: The strategy's name (``strategy="ddp"``), kept on the class of each model it wraps.
@@ -266,9 +266,7 @@ def wrap(module: torch.nn.Module, world: World, options: RunOptions, *, move: bo
     refuses one that sits on another process's GPU. ``options.split_batches``: BatchNorm layers
     use the global batch's statistics (``_split``).
     """
-    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
-        return module
-    if distributed(module):
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel) or distributed(module):
         return module
     module = _class_swap.unwrap_compiled(module)  # torch.compile(model): the real module, still compiled
     several, sync_batchnorm = world.world_size > 1, options.sync_batchnorm
@@ -281,7 +279,9 @@ def wrap(module: torch.nn.Module, world: World, options: RunOptions, *, move: bo
                 "Leave it off for CPU (gloo) runs."
             )
         module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
-    if move and not _on_device(module, world.device):
+    if _start.is_meta(module):  # built on the meta device: rank 0 makes one process's weights
+        module = _start.materialise(module, world.rank, world.device)
+    elif move and not _on_device(module, world.device):
         module = module.to(world.device)
     elif not move:
         _check_own_gpu(module, world)

@@ -197,14 +197,21 @@ def _wrap_model(module: torch.nn.Module, world: World, options: RunOptions, *, m
         kwargs["offload_policy"] = offload
     if dtype == torch.float16:
         _warn.warn(_FP16_NOTE)
-    state, loose = _start.rank0_state(module, world.rank)  # rank 0's weights go to every rank
+    pieces = None  # rank 0's weights go to every rank: made a piece at a time where rank 0's is meta
+    if _start.rank0_built_on_meta(module, world.device):
+        pieces, state, loose = _start.MetaStart(module, world.rank), {}, {}
+    else:
+        state, loose = _start.rank0_state(module, world.rank)
     for unit in units(module, tuple(options.fsdp_blocks)):
         if options.checkpoint_blocks:
             _checkpoint(unit)
         fsdp.fully_shard(unit, **kwargs)
     fsdp.fully_shard(module, **kwargs)
-    if meta:
-        _start.start(module, state, loose, "cpu" if options.cpu_offload else world.device, world.device)
+    shards_on = "cpu" if options.cpu_offload else world.device
+    if pieces is not None:
+        pieces.start(module, shards_on, world.device)
+    elif meta:  # (built on rank 0 alone: this rank's is meta)
+        _start.start(module, state, loose, shards_on, world.device)
     else:
         _start.start(module, state, loose)
     del state, loose
