@@ -139,6 +139,13 @@ class Run:
         self.backward_inputs: tuple | None = None
         #: What strategy="auto" decided in the current world (None: nothing yet).
         self.planned: Planned | None = None
+        #: Models too large for one GPU waiting in host memory to be sharded (``models._placed_later``):
+        #: each such root (weakly) with its pending move, each module in one with (a weak reference
+        #: to) its root, and the global forward pre-hook that moves a root whole before a forward of
+        #: any module in it (None: nothing waits).
+        self.placed_later: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self.placed_within: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self.placed_later_hook: Any = None
         #: Models wrapped in each joined world, innermost last (weakly: a model may go).
         self._wrapped: list[weakref.WeakKeyDictionary[Any, Callable[[Any], None]]] = []
 

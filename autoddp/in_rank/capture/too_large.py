@@ -37,6 +37,7 @@ class TooLarge:
         self.world, self.own, self._remap = devices.world, devices.own, devices.device
         self.options = options
         self._notice = notice
+        self._placed = 0  # bytes this process's code moved to its GPU whole so far
         self._patches = _patches.Patches()
 
     def install(self) -> None:
@@ -49,7 +50,11 @@ class TooLarge:
             or not models.can_shard(world)
         ):
             return
-        patches = [(torch.nn.Module, "to", self._module_to), (torch.nn.Module, "cuda", self._module_cuda)]
+        patches = [
+            (torch.nn.Module, "to", self._module_to),
+            (torch.nn.Module, "cuda", self._module_cuda),
+            (torch.nn.Module, "cpu", self._module_cpu),
+        ]
         self._patches.install(_patches.wrapping(owner, name, make) for owner, name, make in patches)
 
     def uninstall(self) -> None:
@@ -57,42 +62,58 @@ class TooLarge:
 
     def _module_to(self, original: Any) -> Any:
         def to(module: torch.nn.Module, /, *args: Any, **kwargs: Any) -> Any:
-            asked = _device_and_dtype(args, kwargs)
-            if asked is not None and self._deferred(module, *asked, original, sys._getframe(1)):
-                return module
+            asked = _parse_to(args, kwargs)
+            if asked is not None:
+                if self._deferred(module, *asked, original, sys._getframe(1)):
+                    return module
+                if _on_gpu(self._remap(asked[0]), self.own) is None:  # (to the host: nothing of it waits)
+                    models.placement_cancelled(module)
             return original(module, *args, **kwargs)
 
         return to
 
     def _module_cuda(self, original: Any) -> Any:
         def cuda(module: torch.nn.Module, /, device: Any = None) -> Any:
-            if self._deferred(module, "cuda" if device is None else device, None, original, sys._getframe(1)):
+            if self._deferred(module, "cuda" if device is None else device, {}, original, sys._getframe(1)):
                 return module
             return original(module, device)
 
         return cuda
 
+    def _module_cpu(self, original: Any) -> Any:
+        def cpu(module: torch.nn.Module, /) -> Any:
+            models.placement_cancelled(module)
+            return original(module)
+
+        return cpu
+
     def _deferred(
-        self, module: torch.nn.Module, target: Any, dtype: torch.dtype | None, original: Any, frame: Any
+        self, module: torch.nn.Module, device: Any, host: dict[str, Any], original: Any, frame: Any
     ) -> bool:
-        """True where ``module`` was left in place to wait (after taking ``dtype``, if any)."""
-        target = _on_gpu(self._remap(target), self.own)
+        """True where ``module`` was left in place to wait (after taking ``host``'s dtype or memory
+        format, if any, on the host)."""
+        target = _on_gpu(self._remap(device), self.own)
         if target is None or target.index != self.own:
             return False  # (another device: torch's own to, and Devices' rule on its tensors)
         waiting = models.placement_pending(module)
-        if waiting is not None:
-            return waiting == target and dtype is None  # (sent there again: it waits still)
+        if waiting is not None:  # sent there again: it waits still
+            if host:
+                original(module, **host)
+            return True
         if _wrapped(module):
             return False
-        size = _bytes_moved(module, target, dtype)
+        size = _bytes_moved(module, target, host.get("dtype"))
         if size == 0:
             return False
         assert self.world is not None
-        left = models.device_left(self.world, self.options, target)
-        if left is None or size <= left:
+        left = models.device_left(self.world, self.options, target, placed=self._placed)
+        if left is None:
             return False
-        if dtype is not None:
-            original(module, dtype)  # (the dtype now, on the host; the device when it is sharded)
+        if size <= left:
+            self._placed += size
+            return False
+        if host:
+            original(module, **host)  # (now, on the host; the device when it is sharded)
         models.defer_placement(module, target, lambda m: original(m, target))
         notice = self._notice()
         if notice is not None:
@@ -100,30 +121,42 @@ class TooLarge:
             notice.say(
                 ("too_large", site),
                 f"{type(module).__name__} to {target} ({where(site)}): its {format_bytes(size)} are more "
-                f"than this process may use ({format_bytes(left)}), so it waits in host memory: sharded "
-                "across the GPUs when its optimizer is made (each holds its shards, never the whole "
-                "model), or moved whole at a forward before that, as asked",
+                f"than this process may still use ({format_bytes(left)}), so it waits in host memory: "
+                "sharded across the GPUs when its "
+                "optimizer is made (each holds its shards, never the whole model), or moved whole at a "
+                "forward before that, as asked. Its parameters show the host meanwhile: place the data "
+                "with device='cuda' (or autoddp.device()), not with the parameters' device",
             )
         return True
 
 
-def _device_and_dtype(args: tuple, kwargs: dict[str, Any]) -> tuple[torch.device, torch.dtype | None] | None:
-    """``Module.to``'s device and dtype for the forms that name a device (None for the others:
-    a dtype or a tensor alone, a memory format)."""
-    if "memory_format" in kwargs or "tensor" in kwargs:
-        return None
+def _parse_to(args: tuple, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
+    """``Module.to``'s device and what it also asks of the host (``dtype``, ``memory_format``), for
+    the forms that name a device or a tensor (None for the others: a dtype alone)."""
     rest = dict(kwargs)
-    rest.pop("non_blocking", None)
+    for name in ("non_blocking", "copy"):
+        rest.pop(name, None)
     positional = list(args)
-    device = rest.pop("device", None)
-    if device is None and positional and isinstance(positional[0], (str, int, torch.device)):
+    device, dtype = rest.pop("device", None), rest.pop("dtype", None)
+    memory_format, tensor = rest.pop("memory_format", None), rest.pop("tensor", None)
+    if positional and isinstance(positional[0], torch.Tensor):
+        tensor = positional.pop(0)
+    if tensor is not None:
+        device, dtype = tensor.device, tensor.dtype
+    elif device is None and positional and _names_device(positional[0]):
         device = positional.pop(0)
-    dtype = rest.pop("dtype", None)
-    if dtype is None and positional and isinstance(positional[0], torch.dtype):
+    if dtype is None and positional and (positional[0] is None or isinstance(positional[0], torch.dtype)):
         dtype = positional.pop(0)
-    if device is None or rest or len(positional) > 1 or (positional and not isinstance(positional[0], bool)):
+    if positional and isinstance(positional[0], bool):
+        positional.pop(0)  # (non_blocking)
+    if device is None or rest or positional:
         return None
-    return device, dtype
+    host = {"dtype": dtype, "memory_format": memory_format}
+    return device, {name: value for name, value in host.items() if value is not None}
+
+
+def _names_device(value: Any) -> bool:
+    return isinstance(value, (str, int, torch.device)) and not isinstance(value, bool)
 
 
 def _on_gpu(device: Any, own: int | None) -> torch.device | None:

@@ -64,6 +64,7 @@ __all__ = [
     "device_left",
     "defer_placement",
     "placement_pending",
+    "placement_cancelled",
     # the optimizers' side: ``_averaging``, ``_fsdp_state``
     "guard_optimizer",
     "average_before_read",
@@ -180,6 +181,7 @@ def wrap(
 #: Where a model too large for one GPU waits (``_placed_later``, ``capture.too_large``).
 defer_placement = _placed_later.defer
 placement_pending = _placed_later.pending
+placement_cancelled = _placed_later.cancel
 device_left = _plan.left_on
 can_shard = _plan.can_shard
 

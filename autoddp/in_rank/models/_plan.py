@@ -296,19 +296,25 @@ def _shared_across_units(module: torch.nn.Module, units: Sequence[torch.nn.Modul
     return any(len(owners) > 1 for owners in groups.values())
 
 
-def left_on(world: World, options: RunOptions, device: torch.device) -> int | None:
+def left_on(world: World, options: RunOptions, device: torch.device, placed: int = 0) -> int | None:
     """The bytes this process may still use on its GPU ``device``, before any agreement: what the
-    plans so far left of the budget, else ``device_memory``, else the GPU's default budget where
-    the run computes on GPUs (None where it computes on the CPU beside them: no GPU budget)."""
+    plans so far left of the budget, else ``device_memory`` (or the GPU's default budget where the
+    run computes on GPUs) less what is there already (``placed``: moved there by the user's code;
+    on a GPU, what torch's allocator holds, if more). None where the run computes on the CPU beside
+    GPUs: no GPU budget."""
     planned = CURRENT.planned
     if planned is not None and planned.budget is not None:
         return max(planned.budget - planned.placed, 0)
+    on_gpus = world.device.startswith("cuda")
     if options.device_memory is not None:
-        return options.device_memory
-    if not world.device.startswith("cuda"):
+        budget = options.device_memory
+    elif on_gpus:
+        free, total = torch.cuda.mem_get_info(device)
+        budget = budget_.gpu_default(free, torch.cuda.memory_reserved(device), total)
+    else:
         return None
-    free, total = torch.cuda.mem_get_info(device)
-    return budget_.gpu_default(free, torch.cuda.memory_reserved(device), total)
+    held = torch.cuda.memory_allocated(device) if on_gpus else 0
+    return max(budget - max(placed, held), 0)
 
 
 def can_shard(world: World) -> bool:
