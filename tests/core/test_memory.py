@@ -292,36 +292,3 @@ def test_a_forward_that_reads_values_back_takes_the_documented_rule_and_says_so(
     found = activations.measure(Reads(), (torch.randn(4, 10),))
     assert found.saved == activations.FALLBACK_PER_LAYER * 2 * 4 * 10 * 4
     assert "could not run without memory" in found.note and "per layer" in found.note
-
-
-class _Gated(nn.Module):
-    """A block that keeps its input and two activations of its width for the backward pass."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.linear(x)
-        return torch.tanh(h) * torch.sigmoid(h)
-
-
-def test_a_batch_of_one_row_stands_for_many_and_checkpointed_blocks_keep_their_inputs():
-    torch.manual_seed(0)
-    model = nn.Sequential(*[_Gated(64) for _ in range(4)], nn.Linear(64, 1))
-    blocks = tuple(model[:4])
-    whole = activations.measure(model, (torch.randn(10, 64),), units=blocks)
-    grown = activations.measure(model, (torch.randn(1, 64),), rows=10, units=blocks)
-    assert (grown.saved, grown.checkpointed, grown.largest) == (
-        whole.saved,
-        whole.checkpointed,
-        whole.largest,
-    )
-    row = 10 * 64 * 4  # one activation of a block
-    # each block keeps its input (the first: the batch, not counted), tanh's and sigmoid's outputs;
-    # the last layer its input; the output is 10 x 1
-    assert whole.saved == _real_saved(model, (torch.randn(10, 64),)) == (4 * 3 - 1 + 1) * row + 10 * 4
-    # checkpointed: each block's input instead (the batch's included), the last layer's input, and
-    # one block's own (3 rows) while it runs again in the backward pass
-    assert whole.checkpointed == 4 * row + row + 3 * row + 10 * 4
-    assert activations.measure(model, (torch.randn(10, 64),)).checkpointed == whole.saved  # (no units)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,76 +38,34 @@ FALLBACK_PER_LAYER = 2
 @dataclass(frozen=True)
 class Activations:
     """What one forward keeps: ``saved`` (autograd's saved tensors and the output, in bytes),
-    ``largest`` (the largest of them), ``note`` (None where measured on fake tensors; else how),
-    and ``checkpointed``: what it keeps with the ``units`` given to ``measure`` checkpointed
-    (their inputs instead of what they save, plus the most one of them saves while it runs again
-    in the backward pass; ``saved`` where no units were given)."""
+    ``largest`` (the largest of them), and ``note`` (None where measured on fake tensors; else how)."""
 
     saved: int
     largest: int
     note: str | None = None
-    checkpointed: int = 0
-    #: Whether the forward ran (on fake or meta tensors): False where the rule was taken.
-    ran: bool = True
 
 
-def measure(
-    module: torch.nn.Module,
-    args: tuple = (),
-    kwargs: dict[str, Any] | None = None,
-    *,
-    rows: int | None = None,
-    units: tuple[torch.nn.Module, ...] = (),
-) -> Activations:
-    """The activations one forward of ``module(*args, **kwargs)`` keeps (module docstring).
-
-    ``rows``: the batch's tensors, each given with one row (a first dimension of 1), stand for
-    ``rows`` rows (grown without memory). ``units``: modules of ``module`` whose checkpointing is
-    weighed too (``Activations.checkpointed``).
-    """
+def measure(module: torch.nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = None) -> Activations:
+    """The activations one forward of ``module(*args, **kwargs)`` keeps (module docstring)."""
     batch = (tuple(args), dict(kwargs or {}))
     try:
         mode = fake.fake_tensor_mode()
-        grown = _grown(mode.from_tensor, rows, mode)
-        return _saved_by_forward(module, batch, mode.from_tensor, mode, units, grown)
+        return _saved_by_forward(module, batch, mode.from_tensor, mode)
     except Exception as error:
         fake_error = _reason(error)
     try:
-        found = _saved_by_forward(
-            module, batch, _meta, contextlib.nullcontext(), units, _grown(_meta, rows, None)
-        )
+        found = _saved_by_forward(module, batch, _meta, contextlib.nullcontext())
         note = f"measured on meta tensors: fake tensors failed ({fake_error})"
-        return dataclasses.replace(found, note=note)
+        return Activations(found.saved, found.largest, note)
     except Exception as error:  # no meta kernel, a value read back, a module that cannot be copied
         layers = sum(1 for m in module.modules() if any(True for _ in m.parameters(recurse=False)))
         bytes_in = sum(t.numel() * t.element_size() for t in tensors_in(batch))
-        saved = FALLBACK_PER_LAYER * max(layers, 1) * bytes_in
         return Activations(
-            saved,
+            FALLBACK_PER_LAYER * max(layers, 1) * bytes_in,
             bytes_in,
             f"the forward could not run without memory ({_reason(error)}): activations taken as "
             f"{FALLBACK_PER_LAYER} copies of the batch per layer with parameters ({layers})",
-            checkpointed=saved,
-            ran=False,
         )
-
-
-def _grown(
-    make: Callable[[torch.Tensor], torch.Tensor], rows: int | None, mode: Any
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``make``, whose tensors of one row stand for ``rows`` rows (a new contiguous tensor without
-    memory: fake or meta) where ``rows`` is given; ``make`` itself otherwise."""
-    if rows is None:
-        return make
-
-    def grown(tensor: torch.Tensor) -> torch.Tensor:
-        made = make(tensor)
-        if made.dim() == 0 or made.shape[0] != 1:
-            return made
-        with mode if mode is not None else contextlib.nullcontext():
-            return made.expand(rows, *made.shape[1:]).contiguous()
-
-    return grown
 
 
 def _reason(error: BaseException) -> str:
@@ -136,83 +93,29 @@ def _saved_by_forward(
     batch: tuple[tuple, dict],
     make: Callable[[torch.Tensor], torch.Tensor],
     mode: Any,
-    units: tuple[torch.nn.Module, ...] = (),
-    make_batch: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Activations:
-    """Run the forward of a copy made by ``make`` under ``mode`` on the batch made by ``make_batch``
-    (``make`` too by default), summing what autograd saves (and, for each of ``units``, what it
-    saves and what it is given)."""
+    """Run the forward of a copy made by ``make`` under ``mode``, summing what autograd saves."""
     copied = copy_with(module, make)
-    args, kwargs = mapped(batch, make_batch or make)
+    args, kwargs = mapped(batch, make)
     held = (*copied.parameters(), *copied.buffers(), *tensors_in((args, kwargs)))
     own = [t.untyped_storage() for t in held]
     left_out = {id(storage) for storage in own}
     counted: dict[int, int] = {}
     keep: list[Any] = []  # the storages counted stay alive, so that no id is reused during the forward
-    running = [0]  # the bytes counted so far
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        if id(storage) not in left_out and id(storage) not in counted:
+        if id(storage) not in left_out:
             keep.append(storage)
             counted[id(storage)] = storage.nbytes()
-            running[0] += storage.nbytes()
         return tensor
 
-    watch = _UnitWatch(module, copied, units, running)
-    try:
-        with torch.random.fork_rng(devices=_gpus(module)), torch.enable_grad(), mode:
-            with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
-                output = copied(*args, **kwargs)
-            for tensor in tensors_in(output):
-                pack(tensor)
-    finally:
-        watch.remove()
-    saved = running[0]
-    checkpointed = saved - sum(watch.saved) + sum(watch.given) + max(watch.saved, default=0)
-    return Activations(saved, max(counted.values(), default=0), checkpointed=checkpointed)
-
-
-class _UnitWatch:
-    """Forward hooks on the copies of ``units`` in ``copied``: the bytes each saved, and those it was
-    given (what checkpointing keeps of it), counted from ``running``."""
-
-    def __init__(
-        self,
-        module: torch.nn.Module,
-        copied: torch.nn.Module,
-        units: tuple[torch.nn.Module, ...],
-        running: list[int],
-    ) -> None:
-        names = {id(sub): name for name, sub in module.named_modules(remove_duplicate=False)}
-        copies = dict(copied.named_modules(remove_duplicate=False))
-        self.saved: list[int] = []
-        self.given: list[int] = []
-        self._handles: list[Any] = []
-        for unit in units:
-            if id(unit) not in names or unit is module:
-                continue
-            twin = copies[names[id(unit)]]
-            self._handles.append(twin.register_forward_pre_hook(self._before(running)))
-            self._handles.append(twin.register_forward_hook(self._after(running)))
-        self._at: list[int] = []
-
-    def _before(self, running: list[int]) -> Callable[..., None]:
-        def before(unit: torch.nn.Module, args: Any) -> None:
-            self._at.append(running[0])
-            self.given.append(sum({id(t.untyped_storage()): t.nbytes for t in tensors_in(args)}.values()))
-
-        return before
-
-    def _after(self, running: list[int]) -> Callable[..., None]:
-        def after(unit: torch.nn.Module, args: Any, output: Any) -> None:
-            self.saved.append(running[0] - self._at.pop())
-
-        return after
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+    with torch.random.fork_rng(devices=_gpus(module)), torch.enable_grad(), mode:
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+            output = copied(*args, **kwargs)
+        for tensor in tensors_in(output):
+            pack(tensor)
+    return Activations(sum(counted.values()), max(counted.values(), default=0))
 
 
 def _gpus(module: torch.nn.Module) -> list[int]:

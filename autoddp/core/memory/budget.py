@@ -96,35 +96,31 @@ class Choice:
     budget: int
     #: Whether the plan fits the budget (False: the last plan was taken, and it does not fit).
     fits: bool
-    #: What the needs count, for the notice ("state", "state and activations").
-    weighed: str = "state"
 
     def describe(self) -> str:
         """One clause for the notice: why this plan (``"state 1.6 GiB fits the 24.0 GiB ..."``)."""
         allowed = f"the {format_bytes(self.budget)} a process may use"
         need = format_bytes(self.needs[self.name])
         if self.fits and self.name == next(iter(self.needs)):
-            return f"{self.weighed} {need} fits {allowed}"
+            return f"state {need} fits {allowed}"
         if self.fits:
             names = list(self.needs)  # (cheapest first: those before the plan taken did not fit)
             cheaper = ", ".join(
                 f"{format_bytes(self.needs[name])} under {name}" for name in names[: names.index(self.name)]
             )
-            return f"{self.weighed} {cheaper} does not fit {allowed}; {need} under {self.name} does"
+            return f"state {cheaper} does not fit {allowed}; {need} under {self.name} does"
         weighed = ", ".join(f"{format_bytes(bytes_)} under {name}" for name, bytes_ in self.needs.items())
-        return f"no plan fits {allowed} ({self.weighed} {weighed}): {self.name} needs the fewest"
+        return f"no plan fits {allowed} (state {weighed}): {self.name} needs the fewest"
 
 
-def choose(
-    needs: Mapping[str, int], budget: int, allowed: Sequence[str] | None = None, weighed: str = "state"
-) -> Choice:
+def choose(needs: Mapping[str, int], budget: int, allowed: Sequence[str] | None = None) -> Choice:
     """The cheapest plan of ``LADDER`` (only the ``allowed`` names, if given) whose need fits
     ``budget``; where none fits, the one that needs the fewest bytes (``fits`` False). ``needs``:
     bytes per plan name, for the plans the caller could weigh (a plan not in it is skipped)."""
     ladder = [plan for plan in LADDER if plan.name in needs and (allowed is None or plan.name in allowed)]
     if not ladder:
         raise ValueError(f"no plan to weigh: needs={dict(needs)!r}, allowed={allowed!r}")
-    weighed_needs = {plan.name: needs[plan.name] for plan in ladder}
+    weighed = {plan.name: needs[plan.name] for plan in ladder}
     fitting = [plan for plan in ladder if needs[plan.name] <= budget]
     taken = fitting[0] if fitting else min(ladder, key=lambda plan: needs[plan.name])  # (cheaper on a tie)
-    return Choice(*taken, weighed_needs, budget, bool(fitting), weighed)
+    return Choice(*taken, weighed, budget, bool(fitting))

@@ -15,7 +15,6 @@ wrapper, and keeps its wrapper.
 from __future__ import annotations
 
 import sys
-import weakref
 from typing import Any
 
 import torch
@@ -24,7 +23,6 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sequenti
 from autoddp.core import _compat, _patches
 from autoddp.core.state import CURRENT, World
 from autoddp.in_rank import models
-from autoddp.in_rank.capture import batch_example
 from autoddp.in_rank.capture._notice import where
 from autoddp.in_rank.capture._registry import user_site
 from autoddp.in_rank.data import split
@@ -198,7 +196,6 @@ class Loaders:
         """``session``: the capture ``Session`` (its options, notice, passes and world)."""
         self.session = session
         self._made = 0  # random loaders sharded so far: the n-th gets its own seed
-        self._loaders: list[weakref.ref[DataLoader]] = []  # made by the user's code, in order
         self._patches = _patches.Patches()
 
     def install(self) -> None:
@@ -212,11 +209,6 @@ class Loaders:
     def uninstall(self) -> None:
         self._patches.restore()
 
-    def example(self) -> models.Example | None:
-        """What the training batches will look like (``batch_example``), from the loaders made so far."""
-        made = [loader for ref in self._loaders if (loader := ref()) is not None]
-        return batch_example.example(made, kind)
-
     def _trained(self) -> list[torch.nn.Module]:
         """The models a pass may train: those autoddp distributed, and the user's own DDP models."""
         return [*CURRENT.wrapped_models(), *self.session.steps.own_ddp]
@@ -226,8 +218,6 @@ class Loaders:
             if not self.session.busy:  # the notice names the line that made it, not where it is iterated
                 loader.__dict__.setdefault(_SITE, user_site(sys._getframe(1), made=loader))
             original(loader, *args, **kwargs)
-            if not self.session.busy:
-                self._loaders.append(weakref.ref(loader))
 
         return __init__
 

@@ -124,10 +124,7 @@ class Optimizers:
             world = session.world()
             training = (made[0], groups_made(items, made[1])) if made else None
             mapping = replaced_parameters(
-                todo,
-                lambda m: models.wrap(
-                    m, world, session.options, move=False, training=training, example=session.loaders.example
-                ),
+                todo, lambda m: models.wrap(m, world, session.options, move=False, training=training)
             )
         for root in todo:
             self._say_wrapped(root, where(session.registry.site(root)), f"the optimizer at {where(site)}")

@@ -9,7 +9,7 @@ wrapped; the functions here find it there, and treat a model nobody wrapped as t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
 
@@ -30,7 +30,6 @@ from autoddp.in_rank.models._fsdp_state import (
     optimizer_state_dict,
     sharded_model_of,
 )
-from autoddp.in_rank.models._plan import Example
 from autoddp.in_rank.models._reduction import BACKWARD, count_passes
 from autoddp.in_rank.models._routing import no_sync_at_one_process
 from autoddp.in_rank.models._routing import split_decisions as split_at_call
@@ -39,7 +38,6 @@ from autoddp.in_rank.models._window import training_pass
 
 __all__ = [
     "STRATEGIES",
-    "Example",
     "check_options",
     "check_available",
     "check_device_memory",
@@ -152,12 +150,10 @@ def wrap(
     move: bool = True,
     optimizers: Iterable[torch.optim.Optimizer] = (),
     training: _plan.Training | None = None,
-    example: Callable[[], Example | None] | None = None,
 ) -> torch.nn.Module:
     """``module`` ready for ``world`` with the run's strategy (a model already wrapped is kept);
     ``strategy="auto"`` weighs the model's state with the optimizer that trains it (``training``:
-    the class and groups of one being made; else the first of ``optimizers``), and its activations
-    on a batch like ``example()``'s where one is known (``_plan``).
+    the class and groups of one being made; else the first of ``optimizers``) (``_plan``).
 
     Where the strategy replaced parameters (sharding), optimizers made before over the old ones
     are bound to the new ones (``_rebind``; ``optimizers``: ones the caller knows of)."""
@@ -166,7 +162,7 @@ def wrap(
     optimizers = list(optimizers)
     if training is None and optimizers:
         training = groups_of(optimizers[0], [])
-    options = _plan.resolve(module, world, options, training, example)
+    options = _plan.resolve(module, world, options, training)
     inner = unwrap(module)
     trainable = any(p.requires_grad for p in inner.parameters())
     _placed_later.settle(inner, sharded=options.strategy == fsdp.NAME and world.world_size > 1 and trainable)

@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import os
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -40,7 +38,6 @@ import torch
 from autoddp.core import _compat, _variables, _warn
 from autoddp.core._compat.memory_errors import cpu_out_of_memory
 from autoddp.core.errors import MemoryPlanError
-from autoddp.core.memory import activations as activations_
 from autoddp.core.memory import budget as budget_
 from autoddp.core.memory import estimate
 from autoddp.core.memory.optimizers import Group
@@ -53,28 +50,12 @@ AUTO = "auto"
 Training = tuple[type, Sequence[Group]]
 
 
-@dataclass(frozen=True)
-class Example:
-    """What a batch looks like before one is drawn, for the activations' estimate: the model's
-    arguments with one row each, the rows a process computes, and where they came from (said)."""
-
-    args: tuple
-    kwargs: dict[str, Any]
-    rows: int
-    source: str
-
-
 def resolve(
-    module: torch.nn.Module,
-    world: World,
-    options: RunOptions,
-    training: Training | None,
-    example: Callable[[], Example | None] | None = None,
+    module: torch.nn.Module, world: World, options: RunOptions, training: Training | None
 ) -> RunOptions:
     """``options`` with the strategy ``module`` is wrapped with: the run's own where it names one,
     else the plan ``strategy="auto"`` takes (every rank calls this, in the same order: it may
-    all-reduce). The reason is kept for the notice (``note``). ``example``: what a batch will look
-    like, where known (its activations are weighed too)."""
+    all-reduce). The reason is kept for the notice (``note``)."""
     if options.strategy != AUTO:
         return options
     planned = CURRENT.planned
@@ -94,20 +75,13 @@ def resolve(
     allowed += ["fsdp with CPU offload"] if fsdp_here and world.device != "cpu" else []
     units = fsdp.units(module) if fsdp_here else None
     needs, notes = _needs(module, allowed, world.world_size, units, training)
-    weighed = "state"
-    found = _activations(module, example, units)
-    if found is not None:
-        acts, said = found
-        for name in needs:
-            needs[name] += acts.checkpointed if name.endswith("checkpointing") else acts.saved
-        weighed, notes = "state and activations", f"{notes}; {said}"
     left = planned.budget - planned.placed if planned.budget is not None else _budget(world, options)
     left, needs = _agreed(world, max(left, 0), needs)
     if planned.budget is None:
         planned.budget, planned.ladder = left, tuple(allowed)
     floor = os.environ.get(_variables.PLAN_FLOOR)  # (set by the launcher: a restart for memory)
     above = allowed[allowed.index(floor) :] if floor in allowed else allowed
-    choice = budget_.choose(needs, left, above, weighed=weighed)
+    choice = budget_.choose(needs, left, above)
     planned.placed += needs[choice.name]
     planned.sharded = planned.sharded or choice.strategy == "fsdp"
     planned.taken.append(choice.name)
@@ -127,28 +101,6 @@ def resolve(
         cpu_offload=choice.cpu_offload,
         checkpoint_blocks=choice.checkpoint_blocks,
     )
-
-
-def _activations(
-    module: torch.nn.Module, example: Callable[[], Example | None] | None, units: Any
-) -> tuple[activations_.Activations, str] | None:
-    """The activations one forward of ``module`` keeps on a batch like ``example``'s, and the
-    notice's clause; None where no batch is known yet or the forward cannot run without memory."""
-    known = example() if example is not None else None
-    if known is None:
-        return None
-    with contextlib.redirect_stdout(io.StringIO()):  # (a forward that prints: not on the console)
-        acts = activations_.measure(
-            module, known.args, known.kwargs, rows=known.rows, units=tuple(units or ())
-        )
-    if not acts.ran:
-        return None
-    checkpointed = f", {format_bytes(acts.checkpointed)} with its blocks checkpointed" if units else ""
-    said = (
-        f"activations {format_bytes(acts.saved)}{checkpointed}, estimated on {known.rows} rows like "
-        f"those of {known.source} (the first steps are weighed too)"
-    )
-    return acts, said
 
 
 def room(world: World, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
