@@ -74,7 +74,11 @@ def supervise(
 
 def _wait(context: Any, poll_seconds: float, exits: Exits | None) -> Any:
     """Elastic's wait, also stopping at a worker that ended without its function's result
-    (``Exits.without_result``: elastic would wait for it forever under fork)."""
+    (``Exits.without_result``: elastic would wait for it forever under fork), and ending a script's
+    run whose every worker exited with status 0 (a script that ends with ``os._exit(0)``, which
+    skips teardown: under fork elastic waits forever for a return value no worker sends)."""
+    from torch.distributed.elastic.multiprocessing.api import RunProcsResult
+
     while True:
         result = context.wait(timeout=0)
         if result is not None:
@@ -83,6 +87,10 @@ def _wait(context: Any, poll_seconds: float, exits: Exits | None) -> Any:
             gone = exits.without_result(exit_codes(context))
             if gone:
                 raise exits.without_result_error(gone)
+        elif exits is not None:
+            codes = exit_codes(context)
+            if codes and all(code == 0 for code in codes.values()):
+                return RunProcsResult(return_values=dict.fromkeys(codes))
         time.sleep(poll_seconds)
 
 

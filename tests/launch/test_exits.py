@@ -199,3 +199,23 @@ def test_a_rank_that_does_not_end_after_the_users_code_is_named_with_its_stack_a
         assert proc.returncode == 0 and "returned: the result" in proc.stdout, proc.stderr
     else:  # rank 0 stopped before it wrote its result: said, not a silent None
         assert "WorkerError of rank 0: rank 0 finished your function but never ended" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_script_that_ends_with_os_exit_0_ends_the_run_well(tmp_path):
+    # os._exit(0) skips the teardown (some scripts end so, to skip a slow one): under fork elastic
+    # waited forever for a return value no worker sends
+    script = write(
+        tmp_path / "exits.py",
+        """
+        import os, sys, torch.distributed as dist
+        dist.init_process_group("gloo")
+        dist.barrier()
+        sys.stdout.write(f"done {dist.get_rank()}\\n")
+        sys.stdout.flush()
+        os._exit(0)
+        """,
+    )
+    proc = run_python(["-m", "autoddp.cli", "-n", "2", str(script)], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "done 0" in proc.stdout
