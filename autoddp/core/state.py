@@ -115,6 +115,10 @@ class Run:
         #: split_batches: this rank's share of the batch last handed out (W * part / batch; 0: a rank
         #: with no sample of it; None: no split batch in use). Models weigh their gradients by it.
         self.split_weight: float | None = None
+        #: Calls split at a model (``models._at_call``) whose rows came from a computation with
+        #: gradients (another split model's output, say): a gathered output's gradient then differs
+        #: between the ranks, and is summed across them.
+        self.split_chains = 0
         #: A loader handed out data by rank in this run (capture's shards, the user's sampler): the
         #: batches reaching a model are this rank's, never split again at the model's call.
         self.sharded_data = False

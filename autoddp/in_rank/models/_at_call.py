@@ -83,10 +83,13 @@ def batch_of(args: tuple, kwargs: dict) -> torch.Tensor | None:
 
 
 def local_arguments(args: tuple, kwargs: dict, parts: Parts, rank: int | None = None) -> tuple[tuple, dict]:
-    """The arguments with every tensor of the batch's rows cut to ``rank``'s rows (others whole)."""
+    """The arguments with every tensor of the batch's rows cut to ``rank``'s rows (others whole);
+    this rank's own (``rank`` None) counted in ``CURRENT.split_chains`` where they carry gradients."""
 
     def cut(value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == parts.size:
+            if rank is None and value.requires_grad:
+                CURRENT.split_chains += 1
             return parts.rows(value, rank)
         return value
 
@@ -162,11 +165,16 @@ def whole(output: Any, parts: Parts, group: Any = None) -> Any:
 
 
 class _Gather(torch.autograd.Function):
-    """Every rank's rows, in rank order; backward: this rank's rows of the gradient, times W."""
+    """Every rank's rows, in rank order; backward: W times this rank's rows of the gradient, as
+    DDP's average wants, where what follows the call is the same on every rank. Where a call split
+    after it took rows with gradients (``b(a(x))``: ``CURRENT.split_chains``), each rank's gradient
+    holds only what its own rows of that call gave (times W): it is summed over the ranks first (one
+    all-reduce), which is the whole gradient times W again (its rows times W counted that call's
+    part W times over). Every rank takes the same branch: the same calls, in the same order."""
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, parts: Parts, group: Any) -> torch.Tensor:  # type: ignore[override]
-        ctx.parts = parts
+        ctx.parts, ctx.group, ctx.chains = parts, group, CURRENT.split_chains
         biggest = max(parts.sizes)
         padded = local.contiguous()
         if parts.n < biggest:
@@ -178,7 +186,11 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         parts = ctx.parts
-        return parts.rows(grad) * parts.world_size, None, None
+        if CURRENT.split_chains == ctx.chains:  # (nothing split after it: the same on every rank)
+            return parts.rows(grad) * parts.world_size, None, None
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)
+        return parts.rows(total), None, None
 
 
 class _Parts(torch.autograd.Function):
