@@ -17,7 +17,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from typing import Any
 
 import torch
@@ -167,35 +166,16 @@ def give_stdin(rank: int) -> None:
     sys.stdin = open(0, encoding=encoding, errors=errors, closefd=False)  # noqa: SIM115 (the process's own)
 
 
-#: How often a line left unfinished is written anyway (``whole_lines``), in seconds.
-UNFINISHED_LINE_SECONDS = 0.1
-
-
 def whole_lines() -> None:
     """Each line of this rank's output in one write, where ``PYTHONUNBUFFERED=1`` (common in
     containers) has ``print`` write its pieces one by one: ranks share the console, and the
     ``[rank N]`` prefixing reads their files line by line, so a piece of one rank's line could be
-    joined to another's. Output still leaves at every newline and every flush, and a line left
-    unfinished (a prompt, "saving...") within ``UNFINISHED_LINE_SECONDS``, as unbuffered output
-    would show it (a thread flushes: a rank that dies at once keeps what it wrote before that)."""
-    streams = [s for s in (sys.stdout, sys.stderr) if isinstance(s, io.TextIOWrapper) and s.write_through]
-    for stream in list(streams):
-        try:
-            stream.reconfigure(write_through=False, line_buffering=True)
-        except Exception:  # (a stream that cannot be reconfigured: as it is)
-            streams.remove(stream)
-    if streams:
-        threading.Thread(
-            target=_flush_often, args=(streams,), name="autoddp-unfinished-lines", daemon=True
-        ).start()
-
-
-def _flush_often(streams: list[Any]) -> None:
-    while True:
-        time.sleep(UNFINISHED_LINE_SECONDS)
-        for stream in streams:
-            with contextlib.suppress(Exception):  # (closed at exit)
-                stream.flush()
+    joined to another's. Output still leaves at every newline and every flush; a line left
+    unfinished without a flush waits for its end (lost if the process is killed meanwhile)."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper) and stream.write_through:
+            with contextlib.suppress(Exception):  # (a stream that cannot be reconfigured: as it is)
+                stream.reconfigure(write_through=False, line_buffering=True)
 
 
 def _reads_descriptor_0(stream: Any) -> bool:
